@@ -1,0 +1,211 @@
+"""The seed's byte and multiply-add tables, recomputed from the presets (DESIGN §5).
+
+Every expected value is the number as the seed article states it, compared at the rounding the
+article uses; the exact values come from `v41jax.accounting`.
+"""
+
+from fractions import Fraction
+
+import pytest
+
+from v41jax import accounting, config, quant
+from v41jax.config import Role
+
+MIB = 2**20
+
+
+def sig(x, digits: int = 2) -> float:
+    """`x` rounded to `digits` significant digits (2.8e10 for 27,917,287,424)."""
+    return float(f"{float(x):.{digits - 1}e}")
+
+
+@pytest.fixture(scope="module")
+def v41():
+    return accounting.kv_bytes_per_token(config.v41_flash())
+
+
+@pytest.fixture(scope="module")
+def v4():
+    return accounting.kv_bytes_per_token(config.v4_flash())
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return accounting.indexer_cost(config.v41_flash(), MIB)
+
+
+def test_row_bytes():
+    v41_flash, v4_flash = config.v41_flash(), config.v4_flash()
+    assert accounting.main_row_bytes(v41_flash) == 288
+    assert accounting.index_row_bytes(v41_flash) == 68
+    assert accounting.window_row_bytes(v41_flash) == 528
+    assert accounting.main_row_bytes(v4_flash) == 584
+
+
+def test_v41_flash_890(v41):
+    assert v41.total == 890
+    assert (v41.main_bytes, v41.index_bytes) == (720, 170)
+    assert v41.entries_per_token == Fraction(5, 2)
+    encoder = [s for s in v41.sources if s.compress_ratio == 2]
+    decoder = [s for s in v41.sources if s.compress_ratio == 1]
+    assert [s.layer for s in encoder] == [2, 8, 14]
+    assert [s.layer for s in decoder] == [20] and decoder[0].is_candidate_source
+    assert sum(s.main_bytes for s in encoder) == 432
+    assert sum(s.index_bytes for s in encoder) == 102
+    assert (decoder[0].main_bytes, decoder[0].index_bytes) == (288, 68)
+
+
+def test_v4_flash_3514(v4):
+    assert round(v4.total) == 3514
+    assert round(v4.main_bytes) == 3157
+    assert v4.main_bytes == Fraction(12629, 4)  # 3157.25, kept exact
+    assert v4.index_bytes == 357
+    assert round(float(v4.entries_per_token), 2) == 5.41
+    csa = [s for s in v4.sources if s.role is Role.FULL]
+    hca = [s for s in v4.sources if s.role is Role.DENSE]
+    assert (len(csa), len(hca)) == (21, 20)
+    assert {(s.compress_ratio, s.main_row_bytes, s.index_row_bytes) for s in csa} == {(4, 584, 68)}
+    assert {(s.compress_ratio, s.main_row_bytes, s.index_row_bytes) for s in hca} == {(128, 584, 0)}
+    assert sum(s.main_bytes for s in csa) == 3066
+    assert round(sum(s.main_bytes for s in hca)) == 91
+    assert round(float(sum(s.entries_per_token for s in hca)), 2) == 0.16
+
+
+def test_storage_steps():
+    v4, layout, v41 = accounting.storage_steps()
+    assert [s.name for s in (v4, layout, v41)] == [
+        "V4-Flash",
+        "V4.1 layout, V4 storage",
+        "V4.1-Flash",
+    ]
+    assert layout.kv.total == 1630
+    assert layout.kv.entries_per_token == Fraction(5, 2)
+    assert v4.factor is None
+    assert round(float(layout.factor), 2) == 2.16
+    assert round(float(v41.factor), 2) == 1.83
+    assert round(float(v4.kv.total / v41.kv.total), 1) == 3.9
+
+
+def test_one_million_tokens(v41, v4):
+    assert round(float(v4.bytes_at(MIB) / accounting.GIB), 1) == 3.4
+    assert round(float(v41.bytes_at(MIB) / accounting.GIB), 2) == 0.87
+
+
+def test_window_kv():
+    window = accounting.window_bytes_per_sequence(config.v41_flash())
+    assert window == 40 * 128 * 528 == 2_703_360
+    assert round(float(window / 1e6), 1) == 2.7
+
+
+def test_without_sharing(v41):
+    unshared = accounting.kv_bytes_per_token(accounting.without_sharing(config.v41_flash()))
+    assert len(unshared.sources) == 38
+    assert unshared.entries_per_token == 29
+    assert unshared.total == 10_324
+    assert round(unshared.total / 1000) == 10  # "每 token 约 10 KB"
+    assert round(float(unshared.total / v41.total), 1) == 11.6
+    assert round(float(unshared.entries_per_token / v41.entries_per_token), 1) == 11.6
+
+
+def test_v4_flash_is_already_unshared(v4):
+    unshared = accounting.kv_bytes_per_token(accounting.without_sharing(config.v4_flash()))
+    assert unshared == v4
+
+
+def test_indexer_without_pool(cost):
+    assert cost.macs_per_entry == 32 * 128 == 4096
+    encoder = [x for x in cost.layers if x.compress_ratio == 2]
+    layer20, *reindex = [x for x in cost.layers if x.compress_ratio == 1]
+    assert [x.layer for x in encoder] == [2, 8, 14]
+    assert layer20.layer == 20 and layer20.is_candidate_source
+    assert [x.layer for x in reindex] == [24, 28, 32, 36]
+    assert round(encoder[0].visible_entries, -4) == 520_000  # "各 52 万"
+    assert round(layer20.visible_entries, -4) == 1_050_000  # "105 万"
+    assert sig(encoder[0].macs_without_pool) == 2.1e9
+    assert sig(layer20.macs_without_pool) == 4.3e9
+    assert sig(cost.total_without_pool) == 2.8e10
+    assert sig(cost.reindex_without_pool) == 1.7e10
+    assert round(float(cost.reindex_share_without_pool), 1) == 0.6  # "占了六成"
+
+
+def test_indexer_with_pool(cost):
+    assert cost.candidate_pool_size == 16_384
+    reindex = [x for x in cost.layers if x.role is Role.REINDEX]
+    assert all(x.uses_candidates for x in reindex)
+    assert {x.scored_with_pool for x in reindex} == {16_384}
+    assert sig(reindex[0].macs_with_pool) == 6.7e7
+    assert cost.pool_layer_fraction == Fraction(1, 64)
+    assert sig(cost.reindex_with_pool) == 2.7e8
+    assert sig(cost.total_with_pool) == 1.1e10
+    assert round(float(cost.with_pool_fraction), 1) == 0.4  # "是没有候选池时的四成"
+    full = [x for x in cost.layers if x.role is Role.FULL]
+    assert all(x.scored_with_pool == x.scored_without_pool for x in full)
+
+
+def test_core_attention(cost):
+    assert cost.core_attention_macs_per_layer == 2 * 64 * 640 * 512
+    assert sig(cost.core_attention_macs_per_layer) == 4.2e7
+
+
+def test_pool_covers_short_contexts():
+    cfg = config.v41_flash()
+    short = accounting.indexer_cost(cfg, cfg.candidate_pool_size)
+    assert short.total_with_pool == short.total_without_pool
+    longer = accounting.indexer_cost(cfg, 2 * cfg.candidate_pool_size)
+    assert longer.pool_layer_fraction == Fraction(1, 2)
+
+
+def test_kv_format_changes_main_bytes_only(v41):
+    cfg = config.v41_flash().replace(kv_format="bf16")
+    kv = accounting.kv_bytes_per_token(cfg)
+    assert accounting.main_row_bytes(cfg) == quant.packed_row_bytes("bf16", 512) == 1024
+    assert kv.main_bytes == Fraction(5, 2) * 1024 == v41.main_bytes * 1024 / 288
+    assert kv.index_bytes == v41.index_bytes
+
+
+def test_tiny():
+    cfg = config.tiny()
+    main, index = accounting.main_row_bytes(cfg), accounting.index_row_bytes(cfg)
+    kv = accounting.kv_bytes_per_token(cfg)
+    assert [s.layer for s in kv.sources] == [1, 3]
+    assert kv.entries_per_token == Fraction(3, 2)
+    assert kv.total == Fraction(3, 2) * (main + index)
+    assert accounting.window_bytes_per_sequence(cfg) == 8 * 32 * accounting.window_row_bytes(cfg)
+    cost = accounting.indexer_cost(cfg, 256)
+    assert [(x.layer, x.scored_without_pool, x.scored_with_pool) for x in cost.layers] == [
+        (1, 128, 128),
+        (3, 256, 256),
+        (4, 256, 64),
+        (6, 256, 64),
+    ]
+    assert cost.macs_per_entry == 4 * 32
+    assert accounting.config_summary(cfg, 256)["indexer"]["total_with_pool"] == 128 * (
+        128 + 256 + 64 + 64
+    )
+
+
+def test_v4_flash_has_no_pool():
+    cost = accounting.indexer_cost(config.v4_flash(), MIB)
+    assert len(cost.layers) == 21
+    assert cost.pool_layer_fraction is None
+    assert cost.reindex_without_pool == 0
+    assert cost.total_with_pool == cost.total_without_pool
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [("1M", MIB), ("1m", MIB), ("65536", 65_536), ("64K", 65_536), (" 2k ", 2048), ("1G", 2**30)],
+)
+def test_parse_context(text, tokens):
+    assert accounting.parse_context(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5", "1.5M", "1T", "M", "lots"])
+def test_parse_context_rejects(text):
+    with pytest.raises(ValueError, match=r"context: expected a positive number of tokens"):
+        accounting.parse_context(text)
+
+
+def test_indexer_cost_rejects_bad_context():
+    with pytest.raises(ValueError, match=r"context: expected a positive int, got 0"):
+        accounting.indexer_cost(config.tiny(), 0)

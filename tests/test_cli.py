@@ -1,0 +1,125 @@
+"""The `v41jax` command: `bytes` prints the seed's tables, `--json` the same numbers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from v41jax import cli
+
+SEED_NUMBERS = (
+    "890 B",
+    "720",
+    "170",
+    "432 B",
+    "102 B",
+    "288 B",
+    "68 B",
+    "3,514 B",
+    "3,157 B",
+    "357 B",
+    "1,630 B",
+    "÷ 2.16",
+    "÷ 1.83",
+    "3.4 GiB",
+    "0.87 GiB",
+    "2,703,360 B ≈ 2.7 MB",
+    "29 entries/token",
+    "10,324 B ≈ 10 kB per token",
+    "11.6× V4.1-Flash",
+    "4,096",
+    "2.8·10¹⁰",
+    "1.1·10¹⁰",
+    "62 %",
+    "6.7·10⁷",
+    "1/64",
+    "4.2·10⁷",
+)
+
+
+def run(capsys, *argv) -> str:
+    assert cli.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_bytes_prints_the_seed_numbers(capsys):
+    out = run(capsys, "bytes")
+    missing = [n for n in SEED_NUMBERS if n not in out]
+    assert not missing, out
+
+
+def test_bare_command_and_alias_run_bytes(capsys):
+    expected = run(capsys, "bytes")
+    assert run(capsys) == expected
+    assert run(capsys, "report") == expected
+
+
+def test_help_says_bytes_is_the_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "bytes (report)" in out and "Without a command, runs `bytes`" in out
+
+
+def test_json(capsys):
+    data = json.loads(run(capsys, "bytes", "--json"))
+    v41 = data["presets"]["v41_flash"]
+    assert data["context"] == 2**20
+    assert v41["kv_bytes_per_token"]["total_bytes"] == 890
+    assert data["presets"]["v4_flash"]["kv_bytes_per_token"]["main_bytes"] == 3157.25
+    assert [s["total_bytes"] for s in data["storage_steps"]] == [3514.25, 1630, 890]
+    assert v41["indexer"]["reindex_with_pool"] == 4 * 16384 * 4096
+
+
+def test_context(capsys):
+    data = json.loads(run(capsys, "bytes", "--json", "--context", "64K"))
+    assert data["context"] == 65536
+    indexer = data["presets"]["v41_flash"]["indexer"]
+    assert indexer["pool_layer_fraction"] == 0.25
+    assert "65,536 (64K)" in run(capsys, "bytes", "--context", "65536")
+
+
+def test_preset_tiny(capsys):
+    out = run(capsys, "bytes", "--preset", "tiny", "--per-layer")
+    assert out.startswith("tiny: global KV per token")
+    assert "every layer" in out and "Reindex" in out
+    data = json.loads(run(capsys, "bytes", "--preset", "tiny", "--json"))
+    assert list(data["presets"]) == ["tiny"]
+
+
+@pytest.mark.parametrize("name", ["small", "v41_flash", "v4_flash"])
+def test_other_presets(capsys, name):
+    assert run(capsys, "bytes", "--preset", name, "--per-layer")
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "1.5M"])
+def test_bad_context_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bytes", "--context", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--context" in err and "such as 65536, 64K or 1M" in err
+
+
+def test_unknown_preset_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bytes", "--preset", "huge"])
+    assert exit_info.value.code == 2
+    assert "tiny" in capsys.readouterr().err
+
+
+def test_python_m_v41jax():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-m", "v41jax", "bytes"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "890 B" in done.stdout

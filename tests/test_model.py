@@ -1,0 +1,247 @@
+"""The attention stack end to end: prefill vs decode over the packed cache, edge cases, errors."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from v41jax import accounting, config, model, quant
+from v41jax.attention import window_slot_valid
+from v41jax.cache import global_kv_bytes_per_token, init_cache
+from v41jax.config import Role
+
+
+def _model(cfg, seed=0):
+    return model.Model(cfg, rngs=nnx.Rngs(seed))
+
+
+def _tokens(cfg, batch, seq, seed):
+    return jax.random.randint(jax.random.key(seed), (batch, seq), 0, cfg.vocab_size, jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return _model(config.tiny())
+
+
+# Prefill and decode run the same math on differently shaped matmuls and reduce the window in
+# another order, so float32 activations differ in their last bits: logits by ~5e-6 on tiny().
+EXACT_LOGIT_ATOL = 1e-4
+
+
+def _unrounded(cfg):
+    """`cfg` with every stored tensor kept in float32: nothing rounds, so nothing can flip."""
+    return cfg.replace(kv_format="f32", index_format="f32", window_format="f32")
+
+
+def _assert_selections_equal(actual, desired):
+    assert actual.topk.keys() == desired.topk.keys()
+    for layer in desired.topk:
+        np.testing.assert_array_equal(actual.topk[layer], desired.topk[layer], f"layer {layer}")
+    np.testing.assert_array_equal(actual.pool_blocks, desired.pool_blocks)
+
+
+def _take(sel, rows, cols):
+    """Selections of prefill at (rows, cols), the shape decode stacks them in."""
+    return model.Selections(
+        {layer: np.asarray(t)[rows, cols] for layer, t in sel.topk.items()},
+        np.asarray(sel.pool_blocks)[rows, cols],
+    )
+
+
+def _decode_all(m, tokens, cache):
+    """Decodes the columns of `tokens` one by one; stacks logits and selections along time."""
+    logits, topk, pools = [], {}, []
+    for t in range(tokens.shape[1]):
+        out, cache, sel = model.decode_step(m, tokens[:, t], cache)
+        logits.append(out)
+        for layer, idx in sel.topk.items():
+            topk.setdefault(layer, []).append(idx[:, 0])
+        pools.append(sel.pool_blocks[:, 0])
+    stacked = model.Selections(
+        {layer: jnp.stack(v, axis=1) for layer, v in topk.items()}, jnp.stack(pools, axis=1)
+    )
+    return jnp.stack(logits, axis=1), cache, stacked
+
+
+def _prefill_vs_decode(m, batch, seq, prefix_lengths, seed):
+    """Full prefill of [batch, seq] tokens, against a prefill of ragged prefixes followed by
+    decode steps up to `seq`; returns both runs' logits, selections and caches at the
+    decoded positions."""
+    tokens = _tokens(m.config, batch, seq, seed)
+    max_len = seq + 3  # not a multiple of the ratio: the last compressed row stays partial
+    full_logits, full_cache, full_sel = model.prefill(
+        m, tokens, jnp.full((batch,), seq), max_len=max_len
+    )
+    lengths = np.asarray(prefix_lengths)
+    if lengths.min() == 0:
+        assert (lengths == 0).all()
+        cache, steps = init_cache(m.config, batch, max_len), seq
+    else:
+        _, cache, _ = model.prefill(m, tokens, jnp.asarray(lengths), max_len=max_len)
+        steps = seq - int(lengths.max())
+    cols = lengths[:, None] + np.arange(steps)[None]
+    rows = np.arange(batch)[:, None]
+    next_tokens = jnp.take_along_axis(tokens, jnp.asarray(cols), axis=1)
+    logits, cache, sel = _decode_all(m, next_tokens, cache)
+    np.testing.assert_array_equal(cache.lengths, lengths + steps)
+    return (full_logits[rows, cols], _take(full_sel, rows, cols), full_cache), (logits, sel, cache)
+
+
+# 75 and 77 tokens: not multiples of the ratio (2) or the block (8), and past the 64 positions
+# from which tiny()'s candidate pool (8 blocks of 8) drops blocks. Prefixes 40, 13 and 1 leave
+# ragged caches, half-filled compressor groups and a window that has not wrapped.
+CASES = [(2, 75, (0, 0)), (3, 77, (40, 13, 1))]
+
+
+@pytest.mark.parametrize(("batch", "seq", "prefixes"), CASES)
+def test_prefill_matches_decode_exactly_without_rounding(batch, seq, prefixes):
+    m = _model(_unrounded(config.tiny()))
+    (logits, sel, _), (dec_logits, dec_sel, _) = _prefill_vs_decode(
+        m, batch, seq, prefixes, seed=seq
+    )
+    np.testing.assert_allclose(dec_logits, logits, atol=EXACT_LOGIT_ATOL, rtol=0)
+    _assert_selections_equal(dec_sel, sel)
+    # The pool holds every reachable block until there are more than topk_blocks of them (the
+    # ratio-1 candidate source sees position + 1 entries); then it bites.
+    cfg = m.config
+    last = np.asarray(prefixes) + (seq - max(prefixes)) - 1
+    reachable = -(-(last + 1) // cfg.candidate_block_size)
+    kept = (np.asarray(dec_sel.pool_blocks)[:, -1] >= 0).sum(-1)
+    np.testing.assert_array_equal(kept, np.minimum(reachable, cfg.candidate_topk_blocks))
+    assert (reachable > cfg.candidate_topk_blocks).any()
+
+
+@pytest.mark.parametrize(("batch", "seq", "prefixes"), CASES)
+def test_prefill_matches_decode_over_packed_fp4_cache(tiny_model, batch, seq, prefixes):
+    """With the real formats, a last-bit difference that straddles a rounding boundary stores a
+    neighbouring FP8/FP4 value, and the difference then propagates through later layers and
+    positions (it is why the test above runs unrounded). So: the caches hold the same values
+    except for rare one-step flips, and selections and logits agree nearly everywhere."""
+    (logits, sel, full_cache), (dec_logits, dec_sel, cache) = _prefill_vs_decode(
+        tiny_model, batch, seq, prefixes, seed=seq
+    )
+    cfg = tiny_model.config
+    full = np.asarray(cache.lengths) == seq  # rows whose decode reached the full prefill's end
+    for plan, a, b in zip(cfg.layers, cache.layers, full_cache.layers, strict=True):
+        for name, fmt, dim in (
+            ("window", cfg.window_format, cfg.head_dim),
+            ("main_kv", cfg.kv_format, cfg.head_dim),
+            ("index_k", cfg.index_format, cfg.index_head_dim),
+        ):
+            if getattr(a, name) is None:
+                continue
+            va = np.asarray(quant.unpack(getattr(a, name), fmt, dim))[full]
+            vb = np.asarray(quant.unpack(getattr(b, name), fmt, dim))[full]
+            same = va == vb
+            assert same.mean() > 0.95, (plan.layer, name, same.mean())
+            # A flip moves a value to a neighbour on its grid (at most 4 -> 6 at E2M1's top),
+            # far less than the row's largest value; a wrong row or position would not.
+            row_max = np.maximum(np.abs(va), np.abs(vb)).max(-1, keepdims=True) + 1e-30
+            step = (np.abs(va - vb) / row_max)[~same]
+            assert (step <= 0.35).all(), (plan.layer, name, step.max())
+    for layer in sel.topk:
+        rows_equal = (np.asarray(dec_sel.topk[layer]) == sel.topk[layer]).all(-1)
+        assert rows_equal.mean() > 0.9, (layer, rows_equal.mean())
+    diff = np.abs(np.asarray(dec_logits) - np.asarray(logits))
+    assert np.median(diff) < 1e-3, np.median(diff)
+
+
+def test_cache_holds_packed_rows_of_the_configured_formats(tiny_model):
+    cfg = tiny_model.config
+    cache = init_cache(cfg, batch=2, max_len=64)
+    for plan, layer in zip(cfg.layers, cache.layers, strict=True):
+        assert layer.window.dtype == jnp.uint8
+        assert layer.window.shape == (
+            2,
+            cfg.window_size,
+            quant.packed_row_bytes("fp8", cfg.head_dim),
+        )
+        if plan.role is Role.FULL:
+            r = plan.compress_ratio
+            assert layer.main_kv.shape == (
+                2,
+                64 // r,
+                quant.packed_row_bytes("nvfp4", cfg.head_dim),
+            )
+            assert layer.index_k.shape == (
+                2,
+                64 // r,
+                quant.packed_row_bytes("mxfp4", cfg.index_head_dim),
+            )
+        else:
+            assert layer.main_kv is None and layer.index_k is None
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4", "fp8", "bf16"])
+def test_cache_bytes_per_token_equal_accounting(preset, kv_format):
+    cfg = config.preset(preset).replace(kv_format=kv_format)
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch=1, max_len=256))
+    assert global_kv_bytes_per_token(cache) == accounting.kv_bytes_per_token(cfg).total
+
+
+def test_window_ring_slots():
+    valid = window_slot_valid(jnp.array([0, 2, 3, 9]), 4)
+    np.testing.assert_array_equal(valid, [[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+
+
+def test_empty_cases_have_no_nan():
+    # A pool (2 blocks of 8 = 16 positions) smaller than the top-k (32): picks are −1 padded.
+    cfg = config.tiny().replace(candidate_topk_blocks=2)
+    m = _model(cfg, seed=3)
+    tokens = _tokens(cfg, 2, 40, seed=4)
+    logits, cache, sel = model.prefill(m, tokens, jnp.array([40, 1]), max_len=48)
+    assert np.isfinite(np.asarray(logits)).all()
+    for plan in cfg.layers:
+        if plan.uses_candidates:
+            picks = np.asarray(sel.topk[plan.layer])[0, -1]
+            assert (picks >= 0).sum() <= 16
+    # Position 0 of the ratio-2 encoder sees no compressed entry: its selection is empty.
+    encoder_full = cfg.kv_source_layers[0]
+    assert (np.asarray(sel.topk[encoder_full])[:, 0] == -1).all()
+    out, _, _ = model.decode_step(m, jnp.array([5, 6]), cache)
+    assert np.isfinite(np.asarray(out)).all()
+    # A length-1 sequence decoding from an empty cache.
+    out, _, dsel = model.decode_step(m, jnp.array([3]), init_cache(cfg, 1, 4))
+    assert np.isfinite(np.asarray(out)).all()
+    assert (np.asarray(dsel.topk[encoder_full]) == -1).all()
+
+
+def test_bad_input_errors(tiny_model):
+    cfg = tiny_model.config
+    tokens = _tokens(cfg, 2, 10, seed=5)
+    with pytest.raises(ValueError, match="tokens"):
+        model.prefill(tiny_model, tokens[0], jnp.array([10]), max_len=16)
+    with pytest.raises(ValueError, match="lengths"):
+        model.prefill(tiny_model, tokens, jnp.array([10, 11]), max_len=16)
+    with pytest.raises(ValueError, match="lengths"):
+        model.prefill(tiny_model, tokens, jnp.array([10]), max_len=16)
+    with pytest.raises(ValueError, match="max_len"):
+        model.prefill(tiny_model, tokens, jnp.array([10, 3]), max_len=8)
+    _, cache, _ = model.prefill(tiny_model, tokens, jnp.array([10, 3]), max_len=10)
+    with pytest.raises(ValueError, match="cache: full"):
+        model.decode_step(tiny_model, jnp.array([1, 2]), cache)
+    with pytest.raises(ValueError, match="tokens"):
+        model.decode_step(tiny_model, jnp.array([1, 2, 3]), init_cache(cfg, 2, 4))
+    with pytest.raises(ValueError, match="implementation"):
+        model.prefill(tiny_model, tokens, jnp.array([10, 3]), max_len=16, implementation="cuda")
+    with pytest.raises(ValueError, match="kv_format"):
+        _model(config.v4_flash())
+
+
+def test_implementation_switches_default_to_xla():
+    from v41jax import sparse_attention
+
+    for fn in (model.prefill, model.decode_step, sparse_attention.sparse_attention):
+        assert inspect.signature(fn).parameters["implementation"].default == "xla", fn
+
+
+def test_real_attention_stack_instantiates_abstractly():
+    abstract = nnx.eval_shape(lambda: model.Model(config.v41_flash(), rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert count > 10**9

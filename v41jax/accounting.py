@@ -1,0 +1,828 @@
+"""KV bytes per token and indexer multiply-adds, computed from a `ModelConfig` (DESIGN §5).
+
+Reproduces the seed article's tables (`seed/000_bd507f5a48fb42e1.txt`, "890 字节的分项" and
+"Reindex 层每个 token 要给 100 万条打分") from the presets and the packed row layouts of
+`v41jax.quant`; no number here is typed in. Per-token byte values are kept exact as `Fraction`s
+(V4-Flash's HCA layers store 20/128 of an entry per token); the renderers round them.
+
+    bytes per token = Σ over KV source layers of (row bytes) × (entries per token = 1/ratio)
+
+Example::
+
+    from v41jax import accounting, config
+    accounting.kv_bytes_per_token(config.v41_flash()).total      # Fraction(890, 1)
+    accounting.indexer_cost(config.v41_flash(), 2**20).total_with_pool
+    print(accounting.render_seed_report(2**20))                  # what `v41jax bytes` prints
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+from v41jax import quant
+from v41jax.config import LayerPlan, ModelConfig, Role, layer_plan, v4_flash, v41_flash
+
+GIB = 2**30
+DEFAULT_CONTEXT = 2**20
+
+
+# --------------------------------------------------------------------------- global KV bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceBytes:
+    """One KV source layer's share of the global KV cache, per token of context.
+
+    Attributes:
+      layer: the KV source layer.
+      role: FULL (main KV + index keys) or DENSE (main KV only).
+      compress_ratio: tokens per compressed entry.
+      is_candidate_source: the layer publishes the candidate pool.
+      main_row_bytes: packed bytes of one main-KV entry (`kv_format`, head_dim, rope_head_dim).
+      index_row_bytes: packed bytes of one index-key entry (`index_format`, index_head_dim);
+        0 for a layer without index keys.
+    """
+
+    layer: int
+    role: Role
+    compress_ratio: int
+    is_candidate_source: bool
+    main_row_bytes: int
+    index_row_bytes: int
+
+    @property
+    def entries_per_token(self) -> Fraction:
+        return Fraction(1, self.compress_ratio)
+
+    @property
+    def main_bytes(self) -> Fraction:
+        return self.main_row_bytes * self.entries_per_token
+
+    @property
+    def index_bytes(self) -> Fraction:
+        return self.index_row_bytes * self.entries_per_token
+
+    @property
+    def total(self) -> Fraction:
+        return self.main_bytes + self.index_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBytes:
+    """Global (compressed) KV bytes per token of one config: main KV plus indexer K.
+
+    Sliding-window KV is not included: it does not grow with the context (see
+    `window_bytes_per_sequence`).
+    """
+
+    sources: tuple[SourceBytes, ...]
+
+    @property
+    def entries_per_token(self) -> Fraction:
+        return sum((s.entries_per_token for s in self.sources), Fraction(0))
+
+    @property
+    def main_bytes(self) -> Fraction:
+        return sum((s.main_bytes for s in self.sources), Fraction(0))
+
+    @property
+    def index_bytes(self) -> Fraction:
+        return sum((s.index_bytes for s in self.sources), Fraction(0))
+
+    @property
+    def total(self) -> Fraction:
+        return self.main_bytes + self.index_bytes
+
+    def bytes_at(self, context: int) -> Fraction:
+        """Bytes per sequence at `context` tokens (bytes per token × context, as the seed does)."""
+        return self.total * context
+
+
+def main_row_bytes(config: ModelConfig) -> int:
+    """Packed bytes of one main-KV entry."""
+    return quant.packed_row_bytes(config.kv_format, config.head_dim, rope_dim=config.rope_head_dim)
+
+
+def index_row_bytes(config: ModelConfig) -> int:
+    """Packed bytes of one index-key entry."""
+    return quant.packed_row_bytes(config.index_format, config.index_head_dim)
+
+
+def window_row_bytes(config: ModelConfig) -> int:
+    """Packed bytes of one sliding-window KV entry."""
+    return quant.packed_row_bytes(config.window_format, config.head_dim)
+
+
+def kv_bytes_per_token(config: ModelConfig) -> KVBytes:
+    """Global KV bytes per token: each KV source stores one main-KV row per `compress_ratio`
+    tokens, and a FULL source also one index-key row (a DENSE source has no index keys)."""
+    main, index = main_row_bytes(config), index_row_bytes(config)
+    return KVBytes(
+        tuple(
+            SourceBytes(
+                layer=p.layer,
+                role=p.role,
+                compress_ratio=p.compress_ratio,
+                is_candidate_source=p.is_candidate_source,
+                main_row_bytes=main,
+                index_row_bytes=index if p.index_key_source == p.layer else 0,
+            )
+            for p in layer_plan(config)
+            if p.kv_source == p.layer
+        )
+    )
+
+
+def without_sharing(config: ModelConfig) -> ModelConfig:
+    """`config` with no cross-layer sharing: every layer with a ratio > 0 owns its compressed KV
+    and (unless it is a dense KV layer) its index keys, and there is no candidate pool.
+
+    For V4.1-Flash this is the seed's "38 layers each store their own": 29 entries per token,
+    29 × (288 + 68) = 10,324 B.
+    """
+    compressed = tuple(layer for layer, r in enumerate(config.compress_ratios) if r)
+    return config.replace(
+        kv_source_layers=compressed,
+        index_source_layers=tuple(x for x in compressed if x not in config.dense_kv_layers),
+        candidate_source_layer=None,
+    )
+
+
+def window_bytes_per_sequence(config: ModelConfig) -> int:
+    """Sliding-window KV of one sequence: every layer keeps `window_size` packed window rows."""
+    return config.n_layers * config.window_size * window_row_bytes(config)
+
+
+def with_storage_of(layout: ModelConfig, storage: ModelConfig) -> ModelConfig:
+    """`layout`'s layers and ratios with `storage`'s KV and index-key formats (the seed's
+    hypothetical "V4.1 layout with V4 storage" is `with_storage_of(v41_flash(), v4_flash())`)."""
+    return layout.replace(kv_format=storage.kv_format, index_format=storage.index_format)
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageStep:
+    """One row of the seed's "3514 → 890 in two steps" table.
+
+    Attributes:
+      name: what the row is.
+      kv: its global KV bytes per token.
+      factor: bytes per token of the previous row / this row's (None for the first row).
+    """
+
+    name: str
+    kv: KVBytes
+    factor: Fraction | None
+
+
+def storage_steps(
+    before: ModelConfig | None = None,
+    after: ModelConfig | None = None,
+    names: Sequence[str] = ("V4-Flash", "V4.1 layout, V4 storage", "V4.1-Flash"),
+) -> tuple[StorageStep, ...]:
+    """`before` → `after`'s layout with `before`'s storage → `after`, separating what the layer
+    layout (cross-layer sharing, ratios) and what the storage format each contribute.
+
+    Defaults to the seed's V4-Flash → "V4.1 layout, V4 storage" → V4.1-Flash (÷ 2.16, ÷ 1.83).
+    """
+    before = v4_flash() if before is None else before
+    after = v41_flash() if after is None else after
+    configs = (before, with_storage_of(after, before), after)
+    steps, previous = [], None
+    for name, cfg in zip(names, configs, strict=True):
+        kv = kv_bytes_per_token(cfg)
+        steps.append(StorageStep(name, kv, None if previous is None else previous / kv.total))
+        previous = kv.total
+    return tuple(steps)
+
+
+# --------------------------------------------------------------------------- indexer cost
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerIndexerCost:
+    """Indexer work of one index-source layer for one decoded token.
+
+    Attributes:
+      layer, role, compress_ratio, is_candidate_source, uses_candidates: from the layer plan.
+      visible_entries: compressed entries the query can see (context // compress_ratio).
+      scored_without_pool: entries scored when every index source scans all visible entries.
+      scored_with_pool: entries scored when Reindex layers after the candidate source score
+        only inside the candidate pool (at most `candidate_pool_size`).
+      macs_per_entry: index_n_heads × index_head_dim.
+    """
+
+    layer: int
+    role: Role
+    compress_ratio: int
+    is_candidate_source: bool
+    uses_candidates: bool
+    visible_entries: int
+    scored_without_pool: int
+    scored_with_pool: int
+    macs_per_entry: int
+
+    @property
+    def macs_without_pool(self) -> int:
+        return self.scored_without_pool * self.macs_per_entry
+
+    @property
+    def macs_with_pool(self) -> int:
+        return self.scored_with_pool * self.macs_per_entry
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerCost:
+    """Indexer multiply-adds per decoded token at `context` tokens, without and with the
+    candidate pool, and the context-independent core attention for comparison.
+
+    Attributes:
+      context: tokens of context of the decoded token.
+      macs_per_entry: index_n_heads × index_head_dim multiply-adds to score one entry.
+      candidate_pool_size: candidate_topk_blocks × candidate_block_size positions.
+      layers: one row per index-source layer, in layer order.
+      core_attention_macs_per_layer: 2 · n_heads · (index_topk + window_size) · head_dim, the
+        scores and the weighted sum of one layer's core attention over its full key set.
+    """
+
+    context: int
+    macs_per_entry: int
+    candidate_pool_size: int
+    layers: tuple[LayerIndexerCost, ...]
+    core_attention_macs_per_layer: int
+
+    @property
+    def total_without_pool(self) -> int:
+        return sum(x.macs_without_pool for x in self.layers)
+
+    @property
+    def total_with_pool(self) -> int:
+        return sum(x.macs_with_pool for x in self.layers)
+
+    @property
+    def reindex_without_pool(self) -> int:
+        return sum(x.macs_without_pool for x in self.layers if x.role is Role.REINDEX)
+
+    @property
+    def reindex_with_pool(self) -> int:
+        return sum(x.macs_with_pool for x in self.layers if x.role is Role.REINDEX)
+
+    @property
+    def reindex_share_without_pool(self) -> Fraction:
+        """Fraction of the unpooled total spent in Reindex layers (the seed's "六成")."""
+        return Fraction(self.reindex_without_pool, self.total_without_pool)
+
+    @property
+    def with_pool_fraction(self) -> Fraction:
+        """Total with the pool / total without it (the seed's "四成")."""
+        return Fraction(self.total_with_pool, self.total_without_pool)
+
+    @property
+    def pool_layer_fraction(self) -> Fraction | None:
+        """Scored entries of one pooled Reindex layer with / without the pool (1/64 at 1M);
+        None without pooled layers. Uses the first pooled layer; they all see the same entries."""
+        pooled = [x for x in self.layers if x.uses_candidates]
+        if not pooled:
+            return None
+        return Fraction(pooled[0].scored_with_pool, pooled[0].scored_without_pool)
+
+
+def core_attention_macs_per_layer(config: ModelConfig) -> int:
+    """Multiply-adds of one layer's core attention per decoded token over its full key set
+    (`index_topk` compressed + `window_size` window keys): scores and weighted sum, every head."""
+    return 2 * config.n_heads * (config.index_topk + config.window_size) * config.head_dim
+
+
+def indexer_cost(config: ModelConfig, context: int = DEFAULT_CONTEXT) -> IndexerCost:
+    """Indexer multiply-adds for the token decoded at `context` tokens of context.
+
+    Every index source scores its visible entries (context // ratio). With the candidate pool,
+    a Reindex layer that `uses_candidates` scores only min(candidate_pool_size, visible) of them;
+    Full layers (the candidate source included) still scan everything.
+    """
+    if not isinstance(context, int) or context <= 0:
+        raise ValueError(f"indexer_cost: context: expected a positive int, got {context!r}")
+    per_entry = config.index_n_heads * config.index_head_dim
+    pool = config.candidate_pool_size
+
+    def row(p: LayerPlan) -> LayerIndexerCost:
+        visible = context // p.compress_ratio
+        return LayerIndexerCost(
+            layer=p.layer,
+            role=p.role,
+            compress_ratio=p.compress_ratio,
+            is_candidate_source=p.is_candidate_source,
+            uses_candidates=p.uses_candidates,
+            visible_entries=visible,
+            scored_without_pool=visible,
+            scored_with_pool=min(pool, visible) if p.uses_candidates else visible,
+            macs_per_entry=per_entry,
+        )
+
+    return IndexerCost(
+        context=context,
+        macs_per_entry=per_entry,
+        candidate_pool_size=pool,
+        layers=tuple(row(p) for p in layer_plan(config) if p.topk_source == p.layer),
+        core_attention_macs_per_layer=core_attention_macs_per_layer(config),
+    )
+
+
+# --------------------------------------------------------------------------- context lengths
+
+_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_context(text: str) -> int:
+    """A context length: '65536', '64K', '1M', '1m' (binary suffixes: K = 1024)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*", str(text), flags=re.IGNORECASE)
+    if match is None or int(match[1]) == 0:
+        raise ValueError(
+            f"context: expected a positive number of tokens such as 65536, 64K or 1M "
+            f"(K = 1024), got {text!r}"
+        )
+    return int(match[1]) * _SUFFIX[match[2].upper()]
+
+
+def format_context(context: int) -> str:
+    """'1,048,576 (1M)' for a whole number of K/M/G, else '1,000'."""
+    for suffix in ("G", "M", "K"):
+        if context % _SUFFIX[suffix] == 0:
+            return f"{context:,} ({context // _SUFFIX[suffix]}{suffix})"
+    return f"{context:,}"
+
+
+# --------------------------------------------------------------------------- structured output
+
+
+def config_summary(config: ModelConfig, context: int = DEFAULT_CONTEXT) -> dict:
+    """Every number of one config's report as plain JSON-ready values (floats are exact here
+    whenever the ratios are powers of two)."""
+    kv, unshared = kv_bytes_per_token(config), kv_bytes_per_token(without_sharing(config))
+    cost = indexer_cost(config, context)
+
+    def kv_dict(k: KVBytes) -> dict:
+        return {
+            "entries_per_token": float(k.entries_per_token),
+            "main_bytes": float(k.main_bytes),
+            "index_bytes": float(k.index_bytes),
+            "total_bytes": float(k.total),
+        }
+
+    pool_fraction = cost.pool_layer_fraction
+    return {
+        "formats": {
+            "kv": config.kv_format,
+            "index": config.index_format,
+            "window": config.window_format,
+        },
+        "row_bytes": {
+            "main": main_row_bytes(config),
+            "index": index_row_bytes(config),
+            "window": window_row_bytes(config),
+        },
+        "kv_bytes_per_token": kv_dict(kv)
+        | {
+            "sources": [
+                {
+                    "layer": s.layer,
+                    "role": str(s.role),
+                    "compress_ratio": s.compress_ratio,
+                    "is_candidate_source": s.is_candidate_source,
+                    "entries_per_token": float(s.entries_per_token),
+                    "main_row_bytes": s.main_row_bytes,
+                    "index_row_bytes": s.index_row_bytes,
+                    "main_bytes": float(s.main_bytes),
+                    "index_bytes": float(s.index_bytes),
+                }
+                for s in kv.sources
+            ]
+        },
+        "without_sharing": kv_dict(unshared) | {"factor": float(unshared.total / kv.total)},
+        "context": context,
+        "kv_bytes_at_context": float(kv.bytes_at(context)),
+        "kv_gib_at_context": float(kv.bytes_at(context) / GIB),
+        "window_bytes_per_sequence": window_bytes_per_sequence(config),
+        "indexer": {
+            "macs_per_entry": cost.macs_per_entry,
+            "candidate_pool_size": cost.candidate_pool_size,
+            "total_without_pool": cost.total_without_pool,
+            "total_with_pool": cost.total_with_pool,
+            "reindex_without_pool": cost.reindex_without_pool,
+            "reindex_with_pool": cost.reindex_with_pool,
+            "reindex_share_without_pool": float(cost.reindex_share_without_pool),
+            "with_pool_fraction": float(cost.with_pool_fraction),
+            "pool_layer_fraction": None if pool_fraction is None else float(pool_fraction),
+            "core_attention_macs_per_layer": cost.core_attention_macs_per_layer,
+            "layers": [
+                {
+                    "layer": x.layer,
+                    "role": str(x.role),
+                    "compress_ratio": x.compress_ratio,
+                    "is_candidate_source": x.is_candidate_source,
+                    "uses_candidates": x.uses_candidates,
+                    "visible_entries": x.visible_entries,
+                    "scored_without_pool": x.scored_without_pool,
+                    "scored_with_pool": x.scored_with_pool,
+                    "macs_without_pool": x.macs_without_pool,
+                    "macs_with_pool": x.macs_with_pool,
+                }
+                for x in cost.layers
+            ],
+        },
+    }
+
+
+def steps_summary(steps: Sequence[StorageStep], context: int = DEFAULT_CONTEXT) -> list[dict]:
+    """`storage_steps` as JSON-ready rows."""
+    return [
+        {
+            "name": s.name,
+            "entries_per_token": float(s.kv.entries_per_token),
+            "main_bytes": float(s.kv.main_bytes),
+            "index_bytes": float(s.kv.index_bytes),
+            "total_bytes": float(s.kv.total),
+            "factor": None if s.factor is None else float(s.factor),
+            "gib_at_context": float(s.kv.bytes_at(context) / GIB),
+        }
+        for s in steps
+    ]
+
+
+# --------------------------------------------------------------------------- text rendering
+
+
+def _num(x) -> str:
+    """Whole numbers ≥ 100 with thousands separators; smaller values to 2 decimals, trimmed."""
+    if abs(x) >= 100:
+        return f"{round(x):,}"
+    text = f"{float(x):.2f}".rstrip("0").rstrip(".")
+    return text if text != "-0" else "0"
+
+
+_SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def _sci(x) -> str:
+    """Two significant digits in the seed's style: 2.8·10¹⁰."""
+    if x == 0:
+        return "0"
+    mantissa, exponent = f"{float(x):.1e}".split("e")
+    return f"{mantissa}·10{str(int(exponent)).translate(_SUPERSCRIPT)}"
+
+
+def _sig2(x) -> str:
+    """Two significant digits, no exponent: 3.4, 0.87, 10, 101."""
+    x = float(x)
+    decimals = max(0, 1 - math.floor(math.log10(abs(x)))) if x else 0
+    return f"{x:.{decimals}f}"
+
+
+def _si_bytes(n) -> str:
+    """Decimal units, two significant digits, as the seed writes window KV: 2.7 MB."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{_sig2(n / size)} {unit}"
+    return f"{_num(n)} B"
+
+
+def _binary_bytes(n) -> str:
+    """Binary units, two significant digits, as the seed writes KV per sequence: 0.87 GiB."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size / 2:
+            return f"{_sig2(n / size)} {unit}"
+    return f"{_num(n)} B"
+
+
+def _percent(x) -> str:
+    return f"{float(x) * 100:.0f} %"
+
+
+def _fraction(x: Fraction) -> str:
+    return f"1/{x.denominator}" if x.numerator == 1 else f"{float(x):.3g}"
+
+
+def _layers(layers: Sequence[int]) -> str:
+    """'2, 8, 14' or, for long lists, '2, 4, …, 42'."""
+    if len(layers) <= 4:
+        return ", ".join(map(str, layers))
+    return f"{layers[0]}, {layers[1]}, …, {layers[-1]}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:
+    """Aligned columns: `align` has 'l' or 'r' per column (default: first left, others right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(cells):
+        padded = (
+            c.ljust(w) if a == "l" else c.rjust(w)
+            for c, w, a in zip(cells, widths, align, strict=True)
+        )
+        return ("  " + "  ".join(padded)).rstrip()
+
+    rule = "  " + "  ".join("─" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def _groups(items, key: Callable) -> list[list]:
+    """Items grouped by `key` (layers of one kind, in order of first appearance)."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
+
+
+def _group_label(group) -> str:
+    first = group[0]
+    role = str(first.role).capitalize()
+    name = f"{len(group)} {role}" if len(group) > 1 else role
+    label = f"{name} ({_layers([x.layer for x in group])}), ratio {first.compress_ratio}"
+    if first.is_candidate_source:
+        label += ", candidate source"
+    if getattr(first, "uses_candidates", False):
+        label += ", in the pool"
+    return label
+
+
+def _fields(pairs: Sequence[tuple[str, Sequence[str]]], indent: str = "  ") -> str:
+    """'label:  value' lines with the values aligned; a value may span several lines."""
+    width = max(len(label) for label, _ in pairs) + 2
+    lines = []
+    for label, values in pairs:
+        for i, value in enumerate(values):
+            lines.append(indent + (f"{label}:" if i == 0 else "").ljust(width) + value)
+    return "\n".join(lines)
+
+
+def render_kv_sources(title: str, config: ModelConfig) -> str:
+    """The seed's per-source table: entries per token, main KV and indexer K bytes per token."""
+    kv = kv_bytes_per_token(config)
+    rows = []
+    for group in _groups(
+        kv.sources,
+        lambda s: (s.role, s.compress_ratio, s.is_candidate_source, s.index_row_bytes),
+    ):
+        sub = KVBytes(tuple(group))
+        rows.append(
+            [
+                _group_label(group),
+                _num(sub.entries_per_token),
+                f"{_num(sub.main_bytes)} B",
+                f"{_num(sub.index_bytes)} B" if sub.index_bytes else "—",
+                f"{_num(sub.total)} B",
+            ]
+        )
+    rows.append(
+        [
+            "total",
+            _num(kv.entries_per_token),
+            f"{_num(kv.main_bytes)} B",
+            f"{_num(kv.index_bytes)} B",
+            f"{_num(kv.total)} B",
+        ]
+    )
+    return "\n".join(
+        [
+            f"{title}: global KV per token = main KV {_num(kv.main_bytes)} B + indexer K "
+            f"{_num(kv.index_bytes)} B = {_num(kv.total)} B",
+            f"  one entry: main KV {main_row_bytes(config)} B ({config.kv_format}, "
+            f"D = {config.head_dim}), indexer K {index_row_bytes(config)} B "
+            f"({config.index_format}, D = {config.index_head_dim})",
+            _table(["KV source layers", "entries/token", "main KV", "indexer K", "total"], rows),
+        ]
+    )
+
+
+def _row_bytes_label(kv: KVBytes) -> str:
+    main = sorted({s.main_row_bytes for s in kv.sources})
+    index = sorted({s.index_row_bytes for s in kv.sources if s.index_row_bytes})
+    return " + ".join("/".join(map(str, b)) for b in (main, index) if b)
+
+
+def render_storage_steps(steps: Sequence[StorageStep], context: int) -> str:
+    """The seed's "two steps" table, with the size of the global KV at `context`."""
+    rows = [
+        [
+            s.name,
+            _num(s.kv.entries_per_token),
+            _row_bytes_label(s.kv),
+            f"{_num(s.kv.total)} B",
+            "—" if s.factor is None else f"÷ {float(s.factor):.3g}",
+            _binary_bytes(s.kv.bytes_at(context)),
+        ]
+        for s in steps
+    ]
+    header = ["step", "entries/token", "bytes/entry", "bytes/token", "vs previous"]
+    overall = steps[0].kv.total / steps[-1].kv.total
+    return "\n".join(
+        [
+            f"{steps[0].name} → {steps[-1].name}: {_num(steps[0].kv.total)} B → "
+            f"{_num(steps[-1].kv.total)} B per token (÷ {_sig2(overall)}), one factor at a time",
+            _table([*header, f"at {_context_short(context)}"], rows),
+        ]
+    )
+
+
+def _context_short(context: int) -> str:
+    text = format_context(context)
+    return text[text.index("(") + 1 : -1] if "(" in text else text
+
+
+def _bytes_approx(n) -> str:
+    """'10,324 B ≈ 10 kB'; just '318 B' below a kilobyte."""
+    return f"{_num(n)} B" + (f" ≈ {_si_bytes(n)}" if n >= 1000 else "")
+
+
+def render_kv_extras(name: str, config: ModelConfig, context: int) -> str:
+    """Global KV at `context`, what no cross-layer sharing would cost, and the window KV."""
+    kv = kv_bytes_per_token(config)
+    unshared = kv_bytes_per_token(without_sharing(config))
+    window = window_bytes_per_sequence(config)
+    at_context = kv.bytes_at(context)
+    fields = [
+        (
+            f"global KV at {_context_short(context)} tokens",
+            [f"{_num(at_context)} B ≈ {_binary_bytes(at_context)} per sequence"],
+        ),
+        (
+            "without cross-layer sharing",
+            [
+                f"{len(unshared.sources)} layers with ratio > 0 each store their own entries",
+                f"→ {_num(unshared.entries_per_token)} entries/token, "
+                f"{_bytes_approx(unshared.total)} per token, "
+                f"{float(unshared.total / kv.total):.3g}× {name}",
+            ],
+        ),
+        (
+            "window KV (not included)",
+            [
+                f"{config.n_layers} layers × {config.window_size} × {window_row_bytes(config)} B "
+                f"({config.window_format}) = {_bytes_approx(window)} per sequence,",
+                "independent of context",
+            ],
+        ),
+    ]
+    return f"{name}: KV per sequence, without sharing, window KV\n" + _fields(fields)
+
+
+def render_indexer(title: str, config: ModelConfig, context: int) -> str:
+    """The seed's indexer table: multiply-adds per decoded token, without and with the pool."""
+    cost = indexer_cost(config, context)
+    rows = []
+    for group in _groups(
+        cost.layers,
+        lambda x: (x.role, x.compress_ratio, x.is_candidate_source, x.uses_candidates),
+    ):
+        first, n = group[0], len(group)
+        times = f"{n} × " if n > 1 else ""
+        each = " each" if n > 1 else ""
+        rows.append(
+            [
+                _group_label(group),
+                f"{first.visible_entries:,}{each}",
+                f"{times}{_sci(first.macs_without_pool)}",
+                f"{first.scored_with_pool:,}{each}",
+                f"{times}{_sci(first.macs_with_pool)}",
+            ]
+        )
+    rows.append(["total", "", _sci(cost.total_without_pool), "", _sci(cost.total_with_pool)])
+    header = ["index source layers", "visible entries", "MACs", "scored with pool", "with pool"]
+    fields = []
+    n_reindex = sum(1 for x in cost.layers if x.role is Role.REINDEX)
+    if n_reindex:
+        fields.append(
+            (
+                "without the pool",
+                [
+                    f"{_sci(cost.total_without_pool)}, of which the {n_reindex} Reindex layers "
+                    f"{_sci(cost.reindex_without_pool)} "
+                    f"({_percent(cost.reindex_share_without_pool)})"
+                ],
+            )
+        )
+    pooled = [x for x in cost.layers if x.uses_candidates]
+    if pooled:
+        fields.append(
+            (
+                "with the pool",
+                [
+                    f"{_sci(cost.total_with_pool)} ({_percent(cost.with_pool_fraction)} of the "
+                    f"above); Reindex layers {_sci(cost.reindex_without_pool)} → "
+                    f"{_sci(cost.reindex_with_pool)}",
+                    f"one Reindex layer: {pooled[0].scored_with_pool:,} × "
+                    f"{cost.macs_per_entry:,} ≈ {_sci(pooled[0].macs_with_pool)}, "
+                    f"{_fraction(cost.pool_layer_fraction)} of its full scan",
+                ],
+            )
+        )
+    fields.append(
+        (
+            "core attention",
+            [
+                f"2 × {config.n_heads} heads × ({config.index_topk} + {config.window_size}) keys "
+                f"× {config.head_dim} = {cost.core_attention_macs_per_layer:,} "
+                f"≈ {_sci(cost.core_attention_macs_per_layer)} per layer,",
+                "independent of context",
+            ],
+        )
+    )
+    return "\n".join(
+        [
+            f"{title}: indexer multiply-adds (MACs) per decoded token at "
+            f"{format_context(context)} tokens of context",
+            f"  per scored entry: {config.index_n_heads} heads × {config.index_head_dim} dims = "
+            f"{cost.macs_per_entry:,}; candidate pool: {config.candidate_topk_blocks:,} blocks × "
+            f"{config.candidate_block_size} = {cost.candidate_pool_size:,} positions",
+            _table(header, rows),
+            _fields(fields),
+        ]
+    )
+
+
+def render_per_layer(title: str, config: ModelConfig, context: int) -> str:
+    """Every layer: role, sources, global KV bytes per token it stores, indexer entries scored."""
+    sources = {s.layer: s for s in kv_bytes_per_token(config).sources}
+    costs = {x.layer: x for x in indexer_cost(config, context).layers}
+
+    def cell(x, fmt: str = "") -> str:
+        return "—" if x is None else format(x, fmt)
+
+    rows = []
+    for p in layer_plan(config):
+        s, c = sources.get(p.layer), costs.get(p.layer)
+        pool = "publishes" if p.is_candidate_source else "scores in" if p.uses_candidates else ""
+        rows.append(
+            [
+                str(p.layer),
+                str(p.role).capitalize(),
+                str(p.compress_ratio),
+                cell(p.kv_source),
+                cell(p.topk_source),
+                pool,
+                "—" if s is None else f"{_num(s.main_bytes)} B",
+                "—" if s is None or not s.index_bytes else f"{_num(s.index_bytes)} B",
+                cell(None if c is None else c.scored_without_pool, ","),
+                cell(None if c is None else c.scored_with_pool, ","),
+            ]
+        )
+    header = [
+        "layer",
+        "role",
+        "ratio",
+        "KV from",
+        "top-k from",
+        "pool",
+        "main KV/token",
+        "indexer K/token",
+        "scored",
+        "scored with pool",
+    ]
+    return f"{title}: every layer at {format_context(context)} tokens of context\n" + _table(
+        header, rows, align="rlrrrlrrrr"
+    )
+
+
+def render_config(title: str, config: ModelConfig, context: int, per_layer: bool = False) -> str:
+    """All of one config's tables."""
+    parts = [
+        render_kv_sources(title, config),
+        render_kv_extras(title, config, context),
+        render_indexer(title, config, context),
+    ]
+    if per_layer:
+        parts.append(render_per_layer(title, config, context))
+    return "\n\n".join(parts)
+
+
+def render_seed_report(context: int = DEFAULT_CONTEXT, per_layer: bool = False) -> str:
+    """The seed article's tables: V4.1-Flash's 890 B, V4-Flash's 3514 B, the two steps between
+    them, V4.1-Flash's KV at `context` and without sharing, and its indexer cost at `context`."""
+    parts = [
+        render_kv_sources("V4.1-Flash", v41_flash()),
+        render_kv_sources("V4-Flash", v4_flash()),
+        render_storage_steps(storage_steps(), context),
+        render_kv_extras("V4.1-Flash", v41_flash(), context),
+        render_indexer("V4.1-Flash", v41_flash(), context),
+    ]
+    if per_layer:
+        parts += [
+            render_per_layer("V4.1-Flash", v41_flash(), context),
+            render_per_layer("V4-Flash", v4_flash(), context),
+        ]
+    return "\n\n".join(parts)
+
+
+def seed_summary(context: int = DEFAULT_CONTEXT) -> dict:
+    """`render_seed_report`'s numbers as JSON-ready values."""
+    return {
+        "context": context,
+        "presets": {
+            "v41_flash": config_summary(v41_flash(), context),
+            "v4_flash": config_summary(v4_flash(), context),
+        },
+        "storage_steps": steps_summary(storage_steps(), context),
+    }

@@ -1,0 +1,341 @@
+"""The CSA2 attention layer; its role (window, Full, Reindex, Reuse, candidate source) comes from
+the config (DESIGN §3, `v41_architecture.md` §1–§5).
+
+Cross-layer state — the latest compressed KV and index keys, the latest published top-k, the
+candidate pool — is an explicit pytree, `SharedState`, that each layer takes and returns; the
+official code keeps it in a global runtime object instead.
+
+Each layer runs in two modes that share every piece of math:
+  - prefill (`__call__`): a whole batch of padded sequences [B, T]; causality alone keeps a valid
+    row from seeing padding, since padding only ever sits in its future;
+  - decode (`decode`): one token per sequence at its own position, reading and writing the packed
+    cache (`v41jax.cache.LayerCache`); compressed rows are gathered packed, then unpacked.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int
+
+from v41jax import quant
+from v41jax.cache import LayerCache
+from v41jax.compressor import Compressor
+from v41jax.config import LayerPlan, ModelConfig, Role
+from v41jax.indexer import Indexer
+from v41jax.pool import CandidatePool, select_candidate_blocks
+from v41jax.rope import apply_rope
+from v41jax.scoring import index_scores, topk_indices
+from v41jax.sparse_attention import sparse_attention
+
+IMPLEMENTATIONS = ("xla",)
+"""Values of `implementation=` accepted by the attention stack (Pallas kernels plug in here)."""
+
+
+@struct.dataclass
+class SharedState:
+    """What layers publish to later layers, in layer order (one slot each, overwritten).
+
+    Attributes:
+      kv: [B, S, head_dim] float compressed main KV of the latest KV source (prefill), or None.
+      kv_packed: [B, S, row_bytes] uint8 packed main KV of the latest KV source (decode), or None.
+      index_k: [B, S, index_head_dim] float index keys of the latest Full layer, or None.
+      topk: [B, T, index_topk] int32 latest published selection (positions into the compressed
+        KV, ascending, −1 padded), or None.
+      pool: the candidate pool published by the candidate source (`CandidatePool` with mask
+        [B, T, S] and block_ids [B, T, topk_blocks]), or None.
+    """
+
+    kv: Float[Array, "b s d"] | None = None
+    kv_packed: Array | None = None
+    index_k: Float[Array, "b s di"] | None = None
+    topk: Int[Array, "b t k"] | None = None
+    pool: CandidatePool | None = None
+
+
+def check_implementation(implementation: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
+
+
+def window_slot_valid(position: Int[Array, " b"], window: int) -> Bool[Array, "b window"]:
+    """Which ring-buffer slots hold a token for a query at `position` (the token itself included).
+
+    Slot s holds the latest position p <= `position` with p ≡ s (mod window); it is valid iff
+    p >= 0, i.e. the ring buffer has been written there for this sequence.
+    """
+    slots = jnp.arange(window)
+    latest = position[:, None] - (position[:, None] - slots) % window
+    return latest >= 0
+
+
+class Attention(nnx.Module):
+    """One CSA2 attention layer: queries, window KV, and the role's compressed-KV machinery."""
+
+    def __init__(self, config: ModelConfig, plan: LayerPlan, *, rngs: nnx.Rngs):
+        if quant.FORMATS[config.kv_format].accounting_only:
+            usable = [n for n, f in quant.FORMATS.items() if not f.accounting_only]
+            raise ValueError(
+                f"config.kv_format: expected one of {usable} to build a model "
+                f"({config.kv_format!r} is for byte accounting only), got {config.kv_format!r}"
+            )
+        c = self.config = config
+        self.plan = plan
+        self.theta = c.compress_rope_theta if plan.compress_ratio else c.rope_theta
+        self.wq_a = nnx.Linear(c.dim, c.q_lora_rank, use_bias=False, rngs=rngs)
+        self.q_norm = nnx.RMSNorm(c.q_lora_rank, epsilon=c.norm_eps, rngs=rngs)
+        self.wq_b = nnx.Linear(c.q_lora_rank, c.n_heads * c.head_dim, use_bias=False, rngs=rngs)
+        self.wkv = nnx.Linear(c.dim, c.head_dim, use_bias=False, rngs=rngs)
+        self.kv_norm = nnx.RMSNorm(c.head_dim, epsilon=c.norm_eps, rngs=rngs)
+        self.sink = nnx.Param(jnp.zeros((c.n_heads,), jnp.float32))
+        group_in = c.n_heads // c.o_groups * c.head_dim
+        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
+        self.wo_a = nnx.Param(init(rngs.params(), (c.o_groups, group_in, c.o_lora_rank)))
+        self.wo_b = nnx.Linear(c.o_groups * c.o_lora_rank, c.dim, use_bias=False, rngs=rngs)
+        owns = plan.role in (Role.FULL, Role.DENSE)
+        self.compressor = Compressor(c, plan.compress_ratio, rngs=rngs) if owns else None
+        self.indexer = (
+            Indexer(c, owns_keys=plan.role is Role.FULL, rngs=rngs)
+            if plan.role in (Role.FULL, Role.REINDEX)
+            else None
+        )
+
+    # --- pieces shared by prefill and decode ---
+
+    def _queries_and_window(self, x, positions):
+        """Low-rank query latent, rotated queries [..., H, D] and this token's window KV row."""
+        c = self.config
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).reshape(*x.shape[:-1], c.n_heads, c.head_dim)
+        q = apply_rope(q, positions[..., None], c.rope_head_dim, self.theta)
+        window = apply_rope(self.kv_norm(self.wkv(x)), positions, c.rope_head_dim, self.theta)
+        return qr, q, quant.fake_quant(window, c.window_format)
+
+    def _main_kv(self, latent, entry_positions):
+        """Compressed main KV: the latent rotated at its group's first token, then quantized."""
+        c = self.config
+        kv = apply_rope(latent, entry_positions, c.rope_head_dim, self.theta)
+        return quant.fake_quant(kv, c.kv_format)
+
+    def _select(self, qr, x, positions, compress_lens, shared: SharedState) -> SharedState:
+        """Scores, candidate pool and top-k of an index source; Reuse and Dense layers publish
+        nothing new (a Dense layer's consumers attend to every visible entry)."""
+        c, plan = self.config, self.plan
+        if plan.role not in (Role.FULL, Role.REINDEX):
+            return shared
+        q, weights = self.indexer.queries(qr, x, positions)
+        scores = index_scores(q, weights, shared.index_k, compress_lens)
+        pool = shared.pool
+        if plan.is_candidate_source:
+            pool = select_candidate_blocks(
+                scores,
+                compress_lens,
+                c.candidate_topk_blocks,
+                c.candidate_block_size,
+                reduce=c.block_score,
+            )
+        mask = pool.mask if plan.uses_candidates else None
+        return shared.replace(topk=topk_indices(scores, c.index_topk, mask), pool=pool)
+
+    def _selection(self, shared: SharedState, compress_lens, n_entries):
+        """The indices this layer attends to: the latest top-k, or all visible entries after a
+        dense KV source; None for window-only layers."""
+        if self.plan.role is Role.WINDOW:
+            return None
+        if self.plan.topk_source is None:
+            entries = jnp.arange(n_entries)
+            return jnp.where(entries < compress_lens[..., None], entries, -1)
+        return shared.topk
+
+    def _output(self, o, positions):
+        """Inverse RoPE on the output's tail, then the grouped low-rank output projection."""
+        c = self.config
+        o = apply_rope(o, positions[..., None], c.rope_head_dim, self.theta, inverse=True)
+        o = o.reshape(*o.shape[:-2], c.o_groups, -1)
+        o = jnp.einsum("...gi,gio->...go", o, self.wo_a[...])
+        return self.wo_b(o.reshape(*o.shape[:-2], -1))
+
+    # --- prefill ---
+
+    def __call__(
+        self,
+        x: Float[Array, "b t dim"],
+        shared: SharedState,
+        *,
+        implementation: str = "xla",
+    ) -> tuple[Float[Array, "b t dim"], SharedState]:
+        """Prefill over [B, T] tokens at positions 0..T−1 (padding rows compute garbage that no
+        valid row reads)."""
+        check_implementation(implementation)
+        c, plan = self.config, self.plan
+        batch, seq, _ = x.shape
+        positions = jnp.arange(seq)
+        qr, q, window = self._queries_and_window(x, positions)
+
+        if self.compressor is not None:
+            latent = self.compressor(x)
+            entry_positions = jnp.arange(latent.shape[1]) * plan.compress_ratio
+            shared = shared.replace(kv=self._main_kv(latent, entry_positions))
+            if self.indexer is not None:
+                shared = shared.replace(index_k=self.indexer.keys(latent, entry_positions))
+
+        # Query p sees window positions p−W+1..p and compressed entries j < (p+1)//r.
+        offsets = jnp.arange(c.window_size) - (c.window_size - 1)
+        window_pos = positions[:, None] + offsets
+        window_rows = window[:, jnp.maximum(window_pos, 0)]
+        window_valid = jnp.broadcast_to(window_pos >= 0, (batch, seq, c.window_size))
+
+        if plan.role is Role.WINDOW:
+            kv = jnp.zeros((batch, 0, c.head_dim), x.dtype)
+            indices = jnp.zeros((batch, seq, 0), jnp.int32)
+        else:
+            compress_lens = jnp.broadcast_to((positions + 1) // plan.compress_ratio, (batch, seq))
+            shared = self._select(qr, x, positions, compress_lens, shared)
+            kv = shared.kv
+            indices = self._selection(shared, compress_lens, kv.shape[1])
+        # Every query row of a sequence reads the same compressed KV: map over the time axis.
+        attend = jax.vmap(
+            lambda q_t, rows_t, valid_t, idx_t: sparse_attention(
+                q_t, rows_t, valid_t, kv, idx_t, self.sink[...], implementation=implementation
+            ),
+            in_axes=1,
+            out_axes=1,
+        )
+        o = attend(q, window_rows, window_valid, indices)
+        return self._output(o, positions), shared
+
+    def prefill_cache(
+        self,
+        x: Float[Array, "b t dim"],
+        shared: SharedState,
+        lengths: Int[Array, " b"],
+        max_len: int,
+    ) -> LayerCache:
+        """This layer's packed cache after a prefill of sequences of `lengths` tokens.
+
+        `shared` is the state this layer returned from the same prefill. Rows beyond a sequence's
+        length are zero; the compressor buffer holds the sequence's trailing incomplete group.
+        """
+        c, plan = self.config, self.plan
+        batch, seq, _ = x.shape
+        rows = jnp.arange(batch)[:, None]
+        _, _, window = self._queries_and_window(x, jnp.arange(seq))
+        # Ring slot s holds the latest position p < length with p ≡ s (mod window_size).
+        last = lengths[:, None] - 1
+        slot_pos = last - (last - jnp.arange(c.window_size)) % c.window_size
+        ring = quant.pack(window[rows, jnp.maximum(slot_pos, 0)], c.window_format)
+        cache = LayerCache(window=jnp.where((slot_pos >= 0)[..., None], ring, 0))
+        if self.compressor is None:
+            return cache
+
+        r = plan.compress_ratio
+        entries = -(-max_len // r)
+        complete = lengths[:, None] // r
+
+        def table(values, fmt):
+            packed = quant.pack(values, fmt)
+            packed = jnp.where((jnp.arange(packed.shape[1]) < complete)[..., None], packed, 0)
+            return jnp.pad(packed, ((0, 0), (0, entries - packed.shape[1]), (0, 0)))
+
+        cache = cache.replace(main_kv=table(shared.kv, c.kv_format))
+        if self.indexer is not None:
+            cache = cache.replace(index_k=table(shared.index_k, c.index_format))
+        if r > 1:
+            kv, score = self.compressor.project(x)
+            tail = complete * r + jnp.arange(r)
+            buffered = tail < lengths[:, None]
+            tail = jnp.minimum(tail, seq - 1)
+            cache = cache.replace(
+                kv_state=jnp.where(buffered[..., None], kv[rows, tail], 0.0),
+                score_state=jnp.where(buffered[..., None], score[rows, tail], -jnp.inf),
+            )
+        return cache
+
+    # --- decode ---
+
+    def decode(
+        self,
+        x: Float[Array, "b dim"],
+        shared: SharedState,
+        cache: LayerCache,
+        positions: Int[Array, " b"],
+        *,
+        implementation: str = "xla",
+    ) -> tuple[Float[Array, "b dim"], SharedState, LayerCache]:
+        """One token per sequence at `positions` [B]; reads and writes this layer's packed cache."""
+        check_implementation(implementation)
+        c, plan = self.config, self.plan
+        batch = x.shape[0]
+        rows = jnp.arange(batch)
+        qr, q, window = self._queries_and_window(x, positions)
+        slot = positions % c.window_size
+        cache = cache.replace(
+            window=cache.window.at[rows, slot].set(quant.pack(window, c.window_format))
+        )
+        window_rows = quant.unpack(cache.window, c.window_format, c.head_dim)
+        window_valid = window_slot_valid(positions, c.window_size)
+
+        if self.compressor is not None:
+            cache = self._compress_step(x, positions, cache)
+            shared = shared.replace(kv_packed=cache.main_kv)
+            if self.indexer is not None:
+                index_k = quant.unpack(cache.index_k, c.index_format, c.index_head_dim)
+                shared = shared.replace(index_k=index_k)
+
+        if plan.role is Role.WINDOW:
+            kv_rows = jnp.zeros((batch, 0, c.head_dim), jnp.float32)
+            local = jnp.zeros((batch, 0), jnp.int32)
+        else:
+            compress_lens = (positions + 1) // plan.compress_ratio
+            shared = self._select(
+                qr[:, None], x[:, None], positions[:, None], compress_lens[:, None], shared
+            )
+            n_entries = shared.kv_packed.shape[1]
+            selected = self._selection(shared, compress_lens[:, None], n_entries)[:, 0]
+            # Gather the selected packed rows, then unpack only those.
+            packed = jnp.take_along_axis(
+                shared.kv_packed, jnp.maximum(selected, 0)[..., None], axis=1
+            )
+            kv_rows = quant.unpack(packed, c.kv_format, c.head_dim)
+            local = jnp.where(selected >= 0, jnp.arange(selected.shape[-1]), -1)
+        o = jax.vmap(
+            lambda q_b, rows_b, valid_b, kv_b, idx_b: sparse_attention(
+                q_b, rows_b, valid_b, kv_b, idx_b, self.sink[...], implementation=implementation
+            )
+        )(q, window_rows, window_valid, kv_rows, local)
+        return self._output(o, positions), shared, cache
+
+    def _compress_step(self, x, positions, cache: LayerCache) -> LayerCache:
+        """Buffers this token in the compressor state; a sequence whose group is now complete
+        pools it and writes packed main-KV (and index-key) row j = position // ratio."""
+        c, r = self.config, self.plan.compress_ratio
+        rows = jnp.arange(x.shape[0])
+        kv, score = self.compressor.project(x)
+        if r == 1:
+            latent, complete = (
+                self.compressor.finish(kv[:, None], None),
+                jnp.ones_like(positions, bool),
+            )
+        else:
+            slot = positions % r
+            kv_state = cache.kv_state.at[rows, slot].set(kv)
+            score_state = cache.score_state.at[rows, slot].set(score)
+            cache = cache.replace(kv_state=kv_state, score_state=score_state)
+            latent = self.compressor.finish(kv_state, score_state)
+            complete = (positions + 1) % r == 0
+        entry = positions // r
+        entry_positions = entry * r
+
+        def write(table, row):
+            old = table[rows, entry]
+            return table.at[rows, entry].set(jnp.where(complete[:, None], row, old))
+
+        main = quant.pack(self._main_kv(latent, entry_positions), c.kv_format)
+        cache = cache.replace(main_kv=write(cache.main_kv, main))
+        if self.indexer is not None:
+            keys = quant.pack(self.indexer.keys(latent, entry_positions), c.index_format)
+            cache = cache.replace(index_k=write(cache.index_k, keys))
+        return cache

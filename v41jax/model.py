@@ -1,0 +1,211 @@
+"""The toy V4.1 model: embedding, a stack of CSA2 attention + SwiGLU blocks, and a head.
+
+`Model.__call__` runs a whole (padded) batch, as training does. `prefill` and `decode_step` serve
+from the packed cache of `v41jax.cache`; a prefill over T tokens and T decode steps give the same
+logits (to float tolerance) and the same selections (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from v41jax.attention import Attention, SharedState, check_implementation
+from v41jax.cache import Cache
+from v41jax.config import ModelConfig, Role
+
+
+class SwiGLU(nnx.Module):
+    """Dense SwiGLU FFN (the real model's MoE and hyper-connections are out of scope)."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
+        self.w1 = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.w3 = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.w2 = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: attention, then FFN."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.attn_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, rngs=rngs)
+        self.attn = Attention(config, config.layers[layer], rngs=rngs)
+        self.ffn_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, rngs=rngs)
+        self.ffn = SwiGLU(config.dim, config.ffn_dim, rngs=rngs)
+
+
+class Selections(NamedTuple):
+    """What the index sources selected, for tests and diagnostics.
+
+    Attributes:
+      topk: {layer: [B, T, index_topk] int32} per Full/Reindex layer (ascending, −1 padded).
+      pool_blocks: [B, T, candidate_topk_blocks] int32 block ids of the candidate pool, or None.
+    """
+
+    topk: dict[int, Int[Array, "b t k"]]
+    pool_blocks: Int[Array, "b t nb"] | None
+
+
+def _selections(config: ModelConfig, per_layer: list[SharedState]) -> Selections:
+    topk, pool = {}, None
+    for plan, shared in zip(config.layers, per_layer, strict=True):
+        if plan.role in (Role.FULL, Role.REINDEX):
+            topk[plan.layer] = shared.topk
+        if plan.is_candidate_source:
+            pool = shared.pool.block_ids
+    return Selections(topk, pool)
+
+
+class Model(nnx.Module):
+    """Token embedding, `config.n_layers` blocks whose roles come from the config, head."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.dim, rngs=rngs)
+        self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layers)])
+        self.norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, rngs=rngs)
+        self.head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, rngs=rngs)
+
+    def _check_tokens(self, tokens, ndim):
+        if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            layout = "[batch, seq]" if ndim == 2 else "[batch]"
+            raise ValueError(
+                f"tokens: expected integer array {layout}, got {tokens.dtype}{list(tokens.shape)}"
+            )
+
+    def run(
+        self, tokens: Int[Array, "b t"], *, implementation: str = "xla"
+    ) -> tuple[Float[Array, "b t vocab"], list[tuple[Float[Array, "b t dim"], SharedState]]]:
+        """Logits of a padded batch, and each layer's input and published state."""
+        check_implementation(implementation)
+        self._check_tokens(tokens, 2)
+        h = self.embed(tokens)
+        shared, trace = SharedState(), []
+        for block in self.blocks:
+            x = block.attn_norm(h)
+            out, shared = block.attn(x, shared, implementation=implementation)
+            trace.append((x, shared))
+            h = h + out
+            h = h + block.ffn(block.ffn_norm(h))
+        return self.head(self.norm(h)), trace
+
+    def __call__(self, tokens: Int[Array, "b t"], *, implementation: str = "xla"):
+        """Logits [B, T, vocab] of a padded batch of token ids [B, T]."""
+        return self.run(tokens, implementation=implementation)[0]
+
+
+@functools.partial(nnx.jit, static_argnames=("max_len", "implementation"))
+def _prefill(model: Model, tokens, lengths, *, max_len: int, implementation: str):
+    logits, trace = model.run(tokens, implementation=implementation)
+    layers = tuple(
+        block.attn.prefill_cache(x, shared, lengths, max_len)
+        for block, (x, shared) in zip(model.blocks, trace, strict=True)
+    )
+    cache = Cache(lengths=lengths.astype(jnp.int32), layers=layers, max_len=max_len)
+    return logits, cache, _selections(model.config, [s for _, s in trace])
+
+
+def prefill(
+    model: Model,
+    tokens: Int[Array, "b t"],
+    lengths: Int[Array, " b"],
+    *,
+    max_len: int,
+    implementation: str = "xla",
+) -> tuple[Float[Array, "b t vocab"], Cache, Selections]:
+    """Runs a padded batch through the model and returns its logits, the packed cache for
+    continuing each sequence after its own `lengths[b]` tokens, and the selections.
+
+    Args:
+      model: the model.
+      tokens: [B, T] int token ids; row b is valid up to lengths[b] (the rest is padding).
+      lengths: [B] int, 1 <= lengths[b] <= T.
+      max_len: tokens the cache can hold per sequence (>= T).
+      implementation: 'xla' (kernels plug in here).
+    """
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    model._check_tokens(tokens, 2)
+    batch, seq = tokens.shape
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"lengths: expected int array [{batch}], got {lengths.dtype}{lengths.shape}"
+        )
+    if not isinstance(max_len, int) or max_len < seq:
+        raise ValueError(f"max_len: expected an int >= tokens.shape[1] = {seq}, got {max_len!r}")
+    if not isinstance(lengths, jax.core.Tracer) and (
+        int(lengths.min()) < 1 or int(lengths.max()) > seq
+    ):
+        raise ValueError(f"lengths: expected values in [1, {seq}], got {lengths.tolist()}")
+    check_implementation(implementation)
+    return _prefill(model, tokens, lengths, max_len=max_len, implementation=implementation)
+
+
+@functools.partial(nnx.jit, static_argnames=("implementation",))
+def _decode_step(model: Model, tokens, cache: Cache, *, implementation: str):
+    positions = cache.lengths
+    h = model.embed(tokens)
+    shared, layers, states = SharedState(), [], []
+    for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
+        x = block.attn_norm(h)
+        out, shared, layer_cache = block.attn.decode(
+            x, shared, layer_cache, positions, implementation=implementation
+        )
+        layers.append(layer_cache)
+        states.append(shared)
+        h = h + out
+        h = h + block.ffn(block.ffn_norm(h))
+    logits = model.head(model.norm(h))
+    cache = cache.replace(lengths=positions + 1, layers=tuple(layers))
+    return logits, cache, _selections(model.config, states)
+
+
+def decode_step(
+    model: Model, tokens: Int[Array, " b"], cache: Cache, *, implementation: str = "xla"
+) -> tuple[Float[Array, "b vocab"], Cache, Selections]:
+    """Appends one token per sequence (at position `cache.lengths[b]`) and returns its logits,
+    the updated cache and the selections ([B, 1, ...] per index source)."""
+    tokens = jnp.asarray(tokens)
+    model._check_tokens(tokens, 1)
+    if tokens.shape[0] != cache.batch:
+        raise ValueError(
+            f"tokens: expected shape [{cache.batch}] (the cache's batch), got {tokens.shape}"
+        )
+    if not isinstance(cache.lengths, jax.core.Tracer) and int(cache.lengths.max()) >= cache.max_len:
+        raise ValueError(
+            f"cache: full; a sequence already holds {int(cache.lengths.max())} tokens and "
+            f"max_len is {cache.max_len}"
+        )
+    check_implementation(implementation)
+    return _decode_step(model, tokens, cache, implementation=implementation)
+
+
+def parameter_counts(config: ModelConfig) -> dict[str, int]:
+    """Parameters of `Model(config)`, counted on an abstract instance (`nnx.eval_shape`: nothing
+    is allocated, so the real V4.1-Flash stack can be counted on a laptop).
+
+    Returns a dict with 'attention' (all attention layers), one 'attention/<role>' entry per role,
+    'ffn', 'embed_and_head' (embedding, final norm, head) and 'total'.
+    """
+    abstract = nnx.eval_shape(lambda: Model(config, rngs=nnx.Rngs(0)))
+
+    def count(module) -> int:
+        return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+    counts = {"attention": 0, "ffn": 0}
+    for plan, block in zip(config.layers, abstract.blocks, strict=True):
+        n = count(block.attn) + count(block.attn_norm)
+        counts["attention"] += n
+        key = f"attention/{plan.role.value}"
+        counts[key] = counts.get(key, 0) + n
+        counts["ffn"] += count(block.ffn) + count(block.ffn_norm)
+    counts["total"] = count(abstract)
+    counts["embed_and_head"] = counts["total"] - counts["attention"] - counts["ffn"]
+    return counts

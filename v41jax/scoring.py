@@ -1,0 +1,244 @@
+"""Indexer scores and top-k selection (DESIGN §3 step 2 and step 3's Reindex restriction).
+
+The pure jnp definitions that the indexer modules, the pooled-scoring kernel and the tests call:
+
+- `index_scores`: I[t, s] = Σ_h w[t, h]·ReLU(q[t, h]·k[s]), −inf at positions a query cannot see
+  (`v41_architecture.md` §3 steps 5–6).
+- `topk` / `topk_indices`: the top-k over positions, optionally restricted to a boolean mask (a
+  Reindex layer's candidate pool), sorted ascending by position. **Project decision (DESIGN §3):**
+  a pick whose score is −inf is dropped (index −1), unlike the official reference, which keeps
+  out-of-pool picks when the pool holds fewer than k positions (`v41_architecture.md` §3 step 11).
+- `indices_to_mask`: the inverse of a selection, a boolean mask from −1 padded indices.
+
+The small argument checks shared by `pool`, `sparse_attention` and `diagnostics` live here too, so
+that every boundary reports a bad input the same way (argument name, expected, received).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+# A reference, not a fast path: full float32 products even where the backend would default to a
+# lower-precision matmul (TF32 or bf16 passes on GPU).
+_PRECISION = lax.Precision.HIGHEST
+
+
+# --- argument checks (trace-time: shapes and dtypes only; values cannot be checked under jit) ---
+
+
+def _require_dtype(name: str, x: Array, kind: str) -> None:
+    """Raise ValueError unless `x` has a dtype of `kind` ('floating', 'integer' or 'bool')."""
+    ok = {
+        "floating": jnp.issubdtype(x.dtype, jnp.floating),
+        "integer": jnp.issubdtype(x.dtype, jnp.integer),
+        "bool": x.dtype == jnp.bool_,
+    }[kind]
+    if not ok:
+        raise ValueError(f"{name}: expected a {kind} dtype, got {x.dtype}")
+
+
+def _require_min_ndim(name: str, x: Array, ndim: int, layout: str) -> None:
+    if x.ndim < ndim:
+        raise ValueError(f"{name}: expected shape {layout} (at least {ndim} dims), got {x.shape}")
+
+
+def _require_broadcast(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
+    """Raise ValueError unless `shape` broadcasts to exactly `target` (numpy rules)."""
+    try:
+        ok = np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: expected a shape that broadcasts to {target}, got {shape}")
+
+
+def _require_nonnegative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative Python int, got {value!r}")
+    return int(value)
+
+
+def _require_positive_int(name: str, value: object) -> int:
+    if _require_nonnegative_int(name, value) == 0:
+        raise ValueError(f"{name}: expected a positive Python int, got {value!r}")
+    return int(value)
+
+
+def _as_lengths(name: str, lengths: ArrayLike, target: tuple[int, ...]) -> Int[Array, "*rows"]:
+    """Integer per-row lengths broadcast to `target` (a Python int is one length for all rows)."""
+    lengths = jnp.asarray(lengths)
+    _require_dtype(name, lengths, "integer")
+    _require_broadcast(name, lengths.shape, target)
+    return jnp.broadcast_to(lengths, target)
+
+
+# --- scores ---
+
+
+def index_scores(
+    q: Float[Array, "*batch query head index_dim"],
+    weights: Float[Array, "*batch query head"],
+    k: Float[Array, "*batch key index_dim"],
+    compress_lens: Int[ArrayLike, "*batch query"],
+) -> Float[Array, "*batch query key"]:
+    """Indexer scores I[t, s] = Σ_h w[t, h]·ReLU(q[t, h]·k[s]), −inf where s ≥ compress_lens[t].
+
+    DESIGN §3 step 2, `v41_architecture.md` §3 steps 5–6. Inputs are the (already fake-quantized)
+    indexer queries, head weights and index keys; everything is computed in float32.
+
+    Args:
+      q: [..., T, H, Dk] indexer queries, any float dtype.
+      weights: [..., T, H] per-query head weights (already scaled by (Dk·H)^-0.5).
+      k: [..., S, Dk] index keys (the compressed positions).
+      compress_lens: integer, broadcastable to [..., T]: how many leading positions each query
+        sees (a Python int for decode, a [T] column for prefill). Values ≥ S mean all positions.
+        The leading dims of q, weights and k must be equal.
+
+    Returns:
+      [..., T, S] float32 scores; −inf at positions s ≥ compress_lens[t].
+    """
+    q, weights, k = jnp.asarray(q), jnp.asarray(weights), jnp.asarray(k)
+    for name, x, ndim, layout in (
+        ("q", q, 3, "[..., T, H, Dk]"),
+        ("weights", weights, 2, "[..., T, H]"),
+        ("k", k, 2, "[..., S, Dk]"),
+    ):
+        _require_dtype(name, x, "floating")
+        _require_min_ndim(name, x, ndim, layout)
+    if weights.shape != q.shape[:-1]:
+        raise ValueError(
+            f"weights: expected shape {q.shape[:-1]} (q's [..., T, H]), got {weights.shape}"
+        )
+    if k.shape[:-2] != q.shape[:-3] or k.shape[-1] != q.shape[-1]:
+        expected = (*q.shape[:-3], "S", q.shape[-1])
+        raise ValueError(f"k: expected shape {expected} (q's batch dims and Dk), got {k.shape}")
+    rows = q.shape[:-2]
+    lens = _as_lengths("compress_lens", compress_lens, rows)
+
+    logits = jnp.einsum(
+        "...thd,...sd->...ths", q.astype(jnp.float32), k.astype(jnp.float32), precision=_PRECISION
+    )
+    scores = jnp.einsum(
+        "...th,...ths->...ts",
+        weights.astype(jnp.float32),
+        jnp.maximum(logits, 0.0),
+        precision=_PRECISION,
+    )
+    visible = jnp.arange(k.shape[-2]) < lens[..., None]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    chex.assert_shape(scores, (*rows, k.shape[-2]))
+    return scores
+
+
+# --- top-k ---
+
+
+class TopK(NamedTuple):
+    """A top-k selection, sorted ascending by position, −1 padded at the end.
+
+    Attributes:
+      indices: [..., k] int32 positions in ascending order, then −1 for every missing pick.
+      scores: [..., k] float32 score of each pick, −inf where the index is −1.
+    """
+
+    indices: Int[Array, "*batch k"]
+    scores: Float[Array, "*batch k"]
+
+
+def topk(
+    scores: Float[Array, "*batch n_pos"],
+    k: int,
+    mask: Bool[Array, "*batch n_pos"] | None = None,
+) -> TopK:
+    """The k best positions along the last axis, sorted ascending, −1 for dropped picks.
+
+    DESIGN §3 steps 2–3 (`v41_architecture.md` §3 steps 8–9). `mask` restricts the selection
+    (Reindex: positions outside the candidate pool count as −inf). A pick whose score is −inf is
+    dropped (project decision, DESIGN §3): that covers invisible positions, out-of-pool ones and
+    every pick beyond the number of reachable positions. NaN scores are unsupported.
+
+    Ties: `lax.top_k(is_stable=True)` returns equal scores in input order, so among tied scores the
+    lowest positions win, deterministically (ReLU scores tie at 0 often). Other implementations
+    (kernels) must reproduce this rule.
+
+    Args:
+      scores: [..., n_pos] float scores, −inf at positions that cannot be picked.
+      k: number of picks (Python int ≥ 0); may exceed n_pos, the output is then −1 padded.
+      mask: optional bool, broadcastable to scores' shape; False positions cannot be picked.
+
+    Returns:
+      `TopK(indices [..., k] int32, scores [..., k] float32)`; valid indices come first in
+      ascending order, then −1 (score −inf).
+    """
+    scores = jnp.asarray(scores)
+    _require_dtype("scores", scores, "floating")
+    _require_min_ndim("scores", scores, 1, "[..., n_pos]")
+    k = _require_nonnegative_int("k", k)
+    scores = scores.astype(jnp.float32)
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        _require_dtype("mask", mask, "bool")
+        _require_broadcast("mask", mask.shape, scores.shape)
+        scores = jnp.where(mask, scores, -jnp.inf)
+
+    n_pos = scores.shape[-1]
+    n_picks = min(k, n_pos)
+    batch = scores.shape[:-1]
+    if n_picks == 0:
+        values = jnp.full((*batch, 0), -jnp.inf, jnp.float32)
+        indices = jnp.full((*batch, 0), -1, jnp.int32)
+    else:
+        values, indices = lax.top_k(scores, n_picks, is_stable=True)
+        # Sort the picks by position; dropped picks get the key n_pos so they land at the end.
+        keep = values > -jnp.inf
+        keys = jnp.where(keep, indices, n_pos).astype(jnp.int32)
+        keys, values = lax.sort((keys, values), dimension=-1, num_keys=1)
+        indices = jnp.where(keys < n_pos, keys, -1)
+    pad = [(0, 0)] * len(batch) + [(0, k - n_picks)]
+    indices = jnp.pad(indices, pad, constant_values=-1)
+    values = jnp.pad(values, pad, constant_values=-jnp.inf)
+    chex.assert_shape((indices, values), (*batch, k))
+    chex.assert_type((indices, values), (jnp.int32, jnp.float32))
+    return TopK(indices, values)
+
+
+def topk_indices(
+    scores: Float[Array, "*batch n_pos"],
+    k: int,
+    mask: Bool[Array, "*batch n_pos"] | None = None,
+) -> Int[Array, "*batch k"]:
+    """`topk(scores, k, mask).indices`: [..., k] int32, ascending, −1 for dropped picks."""
+    return topk(scores, k, mask).indices
+
+
+def indices_to_mask(indices: Int[Array, "*batch k"], size: int) -> Bool[Array, "*batch size"]:
+    """A boolean mask [..., size] that is True at every index in `indices`.
+
+    Entries outside [0, size) (−1 padding in particular) are ignored; duplicates are harmless.
+
+    Args:
+      indices: [..., k] integer indices.
+      size: length of the mask's last axis (Python int ≥ 0).
+
+    Returns:
+      [..., size] bool.
+    """
+    indices = jnp.asarray(indices)
+    _require_dtype("indices", indices, "integer")
+    _require_min_ndim("indices", indices, 1, "[..., k]")
+    size = _require_nonnegative_int("size", size)
+    batch = indices.shape[:-1]
+    rows = indices.reshape(math.prod(batch), indices.shape[-1])
+    # A scatter, not a one-hot comparison: [rows, k, size] would not fit at long context.
+    # Invalid entries write into a spare slot `size` that is cut off afterwards.
+    slots = jnp.where((rows >= 0) & (rows < size), rows, size)
+    mask = jnp.zeros((rows.shape[0], size + 1), jnp.bool_)
+    mask = mask.at[jnp.arange(rows.shape[0])[:, None], slots].set(True)
+    return mask[:, :size].reshape(*batch, size)

@@ -1,0 +1,228 @@
+"""Core sparse attention: one softmax over window keys, selected compressed keys and a sink.
+
+DESIGN §3 step 4, `v41_architecture.md` §5. For head h of one query, over the valid keys j (the
+query's window rows, then the compressed rows its top-k selects):
+
+    out_h = Σ_j e^{s_hj}·v_j / (Σ_j e^{s_hj} + e^{sink_h}),   s_hj = q_h·k_j·scale,
+
+with K = V (one latent per key), the sink logit unscaled and carrying a zero value vector, and
+scale = D^-0.5 by default. Invalid keys (window slots marked invalid, index −1) are skipped; a
+query with no valid key outputs exactly zero (the sink then holds all the mass), never NaN.
+Duplicated indices count twice, as in the reference (there is no deduplication, §5).
+
+This module is the XLA reference that the FP4-dequant Pallas kernel will plug into through
+`implementation=` (DESIGN §6); it gathers the keys, then does dense float32 math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Literal, NamedTuple, overload
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from v41jax.scoring import _require_broadcast, _require_dtype, _require_min_ndim
+
+
+class SparseAttentionResult(NamedTuple):
+    """`sparse_attention(..., return_probs=True)`.
+
+    Attributes:
+      out: [..., H, D] float32 attention output.
+      probs: [..., H, W + K] float32 softmax weight of every key slot: the W window slots first,
+        then the K selected slots in `indices` order; 0 at invalid slots. A row sums to
+        1 − (the sink's share), which is < 1.
+      lse: [..., H] float32 log(Σ_j e^{s_hj} + e^{sink_h}), the normaliser including the sink
+        (the indexer KL loss renormalises main-attention weights with it).
+    """
+
+    out: Float[Array, "*batch head dim"]
+    probs: Float[Array, "*batch head key"]
+    lse: Float[Array, "*batch head"]
+
+
+def _sparse_attention_xla(
+    q: Float[Array, "*batch head dim"],
+    window_kv: Float[Array, "*#batch window dim"],
+    window_valid: Bool[Array, "*#batch window"],
+    kv: Float[Array, "*#batch n_kv dim"],
+    indices: Int[Array, "*#batch topk"],
+    sink: Float[Array, " head"],
+    scale: float | Float[Array, ""],
+) -> SparseAttentionResult:
+    batch, (n_heads, dim) = q.shape[:-2], q.shape[-2:]
+    n_kv = kv.shape[-2]
+
+    # Gather the selected rows; kv gets leading 1s so take_along_axis broadcasts it over `batch`.
+    kv = kv.reshape((1,) * (len(batch) + 2 - kv.ndim) + kv.shape)
+    selected_valid = (indices >= 0) & (indices < n_kv)
+    safe = jnp.where(selected_valid, indices, 0)
+    selected = jnp.take_along_axis(kv, safe[..., None], axis=-2)
+
+    n_window = window_kv.shape[-2]
+    keys = jnp.concatenate(
+        [
+            jnp.broadcast_to(window_kv, (*batch, n_window, dim)).astype(jnp.float32),
+            jnp.broadcast_to(selected, (*batch, indices.shape[-1], dim)).astype(jnp.float32),
+        ],
+        axis=-2,
+    )
+    valid = jnp.concatenate(
+        [
+            jnp.broadcast_to(window_valid, (*batch, n_window)),
+            jnp.broadcast_to(selected_valid, (*batch, indices.shape[-1])),
+        ],
+        axis=-1,
+    )
+    # Zero invalid rows: an unfilled ring-buffer slot may hold garbage (even NaN), and 0·NaN = NaN.
+    keys = jnp.where(valid[..., None], keys, 0.0)
+
+    # HIGHEST: true float32 products; a reference must not inherit the GPU's TF32/bf16 default.
+    logits = jnp.einsum(
+        "...hd,...jd->...hj", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST
+    )
+    logits = jnp.where(valid[..., None, :], logits * scale, -jnp.inf)
+    sink = jnp.broadcast_to(sink.astype(jnp.float32), (*batch, n_heads))
+    # The sink takes part in the running max, so an empty row has a finite max and exact zeros.
+    # The max cancels out of the result: no gradient through it. A −inf max happens only with
+    # sink = −inf and an empty row; 0 then keeps exp() finite.
+    row_max = jnp.maximum(jnp.max(logits, axis=-1, initial=-jnp.inf), sink)
+    row_max = lax.stop_gradient(jnp.where(row_max > -jnp.inf, row_max, 0.0))
+    weights = jnp.exp(logits - row_max[..., None])
+    denom = jnp.sum(weights, axis=-1) + jnp.exp(sink - row_max)
+    lse = row_max + jnp.log(denom)
+    probs = weights / jnp.where(denom > 0, denom, 1.0)[..., None]
+    out = jnp.einsum("...hj,...jd->...hd", probs, keys, precision=lax.Precision.HIGHEST)
+    return SparseAttentionResult(out, probs, lse)
+
+
+IMPLEMENTATIONS: Mapping[str, Callable[..., SparseAttentionResult]] = MappingProxyType(
+    {"xla": _sparse_attention_xla}
+)
+"""Backends by name; each takes the validated arguments of `sparse_attention` (scale resolved)."""
+
+
+def _resolve_scale(scale: float | Float[Array, ""] | None, dim: int) -> float | Float[Array, ""]:
+    """D^-0.5 by default; a Python number must be finite, a traced scalar passes unchecked."""
+    if scale is None:
+        return dim**-0.5
+    if isinstance(scale, int | float | np.number) and not isinstance(scale, bool):
+        if not np.isfinite(scale):
+            raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
+        return float(scale)
+    scale = jnp.asarray(scale)
+    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(
+            f"scale: expected a float scalar or None, got shape {scale.shape} dtype {scale.dtype}"
+        )
+    return scale
+
+
+@overload
+def sparse_attention(
+    q: Float[Array, "*batch head dim"],
+    window_kv: Float[Array, "*#batch window dim"],
+    window_valid: Bool[Array, "*#batch window"],
+    kv: Float[Array, "*#batch n_kv dim"],
+    indices: Int[Array, "*#batch topk"],
+    sink: Float[Array, " head"],
+    *,
+    scale: float | Float[Array, ""] | None = None,
+    return_probs: Literal[False] = False,
+    implementation: str = "xla",
+) -> Float[Array, "*batch head dim"]: ...
+
+
+@overload
+def sparse_attention(
+    q: Float[Array, "*batch head dim"],
+    window_kv: Float[Array, "*#batch window dim"],
+    window_valid: Bool[Array, "*#batch window"],
+    kv: Float[Array, "*#batch n_kv dim"],
+    indices: Int[Array, "*#batch topk"],
+    sink: Float[Array, " head"],
+    *,
+    scale: float | Float[Array, ""] | None = None,
+    return_probs: Literal[True],
+    implementation: str = "xla",
+) -> SparseAttentionResult: ...
+
+
+def sparse_attention(
+    q: Float[Array, "*batch head dim"],
+    window_kv: Float[Array, "*#batch window dim"],
+    window_valid: Bool[Array, "*#batch window"],
+    kv: Float[Array, "*#batch n_kv dim"],
+    indices: Int[Array, "*#batch topk"],
+    sink: Float[Array, " head"],
+    *,
+    scale: float | Float[Array, ""] | None = None,
+    return_probs: bool = False,
+    implementation: str = "xla",
+) -> Float[Array, "*batch head dim"] | SparseAttentionResult:
+    """Window + top-k + sink attention of one or many queries (DESIGN §3 step 4).
+
+    The window comes as gathered rows with a validity mask, the one form both callers can build
+    cheaply: prefill gathers each query's last `window_size` tokens, decode passes its ring buffer
+    (unfilled slots invalid). Compressed keys come as the whole compressed KV plus per-query
+    indices into it, the form the kernel consumes. Unlike the reference's concatenated KV, the
+    indices carry no window offset.
+
+    Every argument except `sink` broadcasts against q's batch dims `...` by numpy rules, e.g.
+    q [B, T, H, D] with kv [B, 1, N, D] (one compressed cache for the T queries of a sequence)
+    and window_kv [B, T, W, D] (prefill) or [B, 1, W, D] (a decode ring buffer).
+
+    Args:
+      q: [..., H, D] queries (RoPE applied), any float dtype.
+      window_kv: [..., W, D] window keys = values; W may be 0.
+      window_valid: [..., W] bool, False at slots to skip (beyond the sequence start, unfilled).
+      kv: [..., N, D] compressed keys = values.
+      indices: [..., K] integer rows of kv to attend to; −1 (any value outside [0, N)) skips the
+        slot, duplicates are attended twice. K may be 0.
+      sink: [H] per-head sink logit, added unscaled with a zero value; −inf disables it.
+      scale: logit scale (a number, or a float scalar array under jit); default D^-0.5.
+      return_probs: also return the per-slot probabilities and the log-sum-exp.
+      implementation: backend name in `IMPLEMENTATIONS` ('xla').
+
+    Returns:
+      out [..., H, D] float32, or `SparseAttentionResult(out, probs, lse)` if return_probs.
+    """
+    q, window_kv, window_valid = jnp.asarray(q), jnp.asarray(window_kv), jnp.asarray(window_valid)
+    kv, indices, sink = jnp.asarray(kv), jnp.asarray(indices), jnp.asarray(sink)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected one of {sorted(IMPLEMENTATIONS)}, got {implementation!r}"
+        )
+    for name, x, kind, ndim, layout in (
+        ("q", q, "floating", 2, "[..., H, D]"),
+        ("window_kv", window_kv, "floating", 2, "[..., W, D]"),
+        ("window_valid", window_valid, "bool", 1, "[..., W]"),
+        ("kv", kv, "floating", 2, "[..., N, D]"),
+        ("indices", indices, "integer", 1, "[..., K]"),
+        ("sink", sink, "floating", 1, "[H]"),
+    ):
+        _require_dtype(name, x, kind)
+        _require_min_ndim(name, x, ndim, layout)
+    batch, (n_heads, dim) = q.shape[:-2], q.shape[-2:]
+    for name, x in (("window_kv", window_kv), ("kv", kv)):
+        if x.shape[-1] != dim:
+            raise ValueError(f"{name}: expected last dim D = {dim} (q's), got shape {x.shape}")
+        _require_broadcast(name, x.shape, (*batch, x.shape[-2], dim))
+    _require_broadcast("window_valid", window_valid.shape, (*batch, window_kv.shape[-2]))
+    _require_broadcast("indices", indices.shape, (*batch, indices.shape[-1]))
+    if sink.shape != (n_heads,):
+        raise ValueError(f"sink: expected shape ({n_heads},) (q's H), got {sink.shape}")
+    scale = _resolve_scale(scale, dim)
+
+    result = IMPLEMENTATIONS[implementation](q, window_kv, window_valid, kv, indices, sink, scale)
+    n_keys = window_kv.shape[-2] + indices.shape[-1]
+    chex.assert_shape(
+        result, [(*batch, n_heads, dim), (*batch, n_heads, n_keys), (*batch, n_heads)]
+    )
+    chex.assert_type(result, jnp.float32)
+    return result if return_probs else result.out
