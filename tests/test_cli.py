@@ -123,3 +123,24 @@ def test_python_m_v41jax():
     )
     assert done.returncode == 0, done.stderr
     assert "890 B" in done.stdout
+
+
+def test_params_counts_toy_and_real_stacks(capsys):
+    assert cli.main(["params", "--json"]) == 0
+    counts = json.loads(capsys.readouterr().out)
+    assert set(counts) == {"tiny", "small", "v41_flash"}
+    for c in counts.values():
+        assert c["total"] == c["attention"] + c["ffn"] + c["embed_and_head"]
+        assert c["attention"] == sum(v for k, v in c.items() if k.startswith("attention/"))
+    real = counts["v41_flash"]
+    # 40 layers of V4.1-Flash attention: ~5.1e9 parameters, which matches the 4.80 GiB of
+    # attention weights in the checkpoint (`v41_architecture.md` §8) at about one byte each.
+    assert 4.5e9 < real["attention"] < 5.5e9
+    assert set(k for k in real if k.startswith("attention/")) == {
+        "attention/window",
+        "attention/full",
+        "attention/reindex",
+        "attention/reuse",
+    }
+    assert cli.main(["params", "--preset", "tiny"]) == 0
+    assert "attention/reindex" in capsys.readouterr().out

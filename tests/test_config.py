@@ -181,3 +181,11 @@ def test_validation_names_the_field(case):
     changes, field = INVALID_TINY[case]
     with pytest.raises(ValueError, match=rf"ModelConfig\.{field}: expected .*, got "):
         config.tiny().replace(**changes)
+
+
+def test_row_layout_constraints_come_from_quant():
+    # v4_fp8 groups the non-rope dims by 64: 512 - 32 = 480 is not a multiple of 64.
+    with pytest.raises(ValueError, match=r"ModelConfig\.head_dim: .*v4_fp8"):
+        config.v41_flash().replace(kv_format="v4_fp8", rope_head_dim=32)
+    with pytest.raises(ValueError, match=r"ModelConfig\.index_head_dim: .*mxfp4"):
+        config.tiny().replace(index_head_dim=48, rope_head_dim=16)

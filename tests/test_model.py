@@ -245,3 +245,30 @@ def test_real_attention_stack_instantiates_abstractly():
     params = nnx.state(abstract, nnx.Param)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     assert count > 10**9
+
+
+def test_roles_publish_and_reuse_selections(tiny_model):
+    """Reuse layers attend to exactly the latest published picks; Reindex picks lie in the pool;
+    the candidate source's own picks do not depend on the pool (only Reindex layers are
+    restricted)."""
+    cfg = tiny_model.config
+    tokens = _tokens(cfg, 2, 90, seed=7)
+    _, trace = tiny_model.run(tokens)
+    for plan, (_, shared) in zip(cfg.layers, trace, strict=True):
+        if plan.role is Role.REUSE:
+            np.testing.assert_array_equal(shared.topk, trace[plan.topk_source][1].topk)
+        if plan.uses_candidates:
+            picks = np.asarray(shared.topk)
+            pool = np.asarray(shared.pool.mask)
+            in_pool = np.take_along_axis(pool, np.maximum(picks, 0), axis=-1) | (picks < 0)
+            assert in_pool.all()
+
+    # Same weights (same seed, same module structure), a pool of 2 blocks instead of 8.
+    narrow = _model(cfg.replace(candidate_topk_blocks=2))
+    _, narrow_trace = narrow.run(tokens)
+    cand = cfg.candidate_source_layer
+    np.testing.assert_array_equal(trace[cand][1].topk, narrow_trace[cand][1].topk)
+    reindex = [p.layer for p in cfg.layers if p.uses_candidates]
+    assert any(
+        not np.array_equal(trace[layer][1].topk, narrow_trace[layer][1].topk) for layer in reindex
+    )

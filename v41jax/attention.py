@@ -24,6 +24,7 @@ from v41jax.cache import LayerCache
 from v41jax.compressor import Compressor
 from v41jax.config import LayerPlan, ModelConfig, Role
 from v41jax.indexer import Indexer
+from v41jax.invariants import check_selection
 from v41jax.pool import CandidatePool, select_candidate_blocks
 from v41jax.rope import apply_rope
 from v41jax.scoring import index_scores, topk_indices
@@ -120,7 +121,7 @@ class Attention(nnx.Module):
         kv = apply_rope(latent, entry_positions, c.rope_head_dim, self.theta)
         return quant.fake_quant(kv, c.kv_format)
 
-    def _select(self, qr, x, positions, compress_lens, shared: SharedState) -> SharedState:
+    def _select(self, qr, x, positions, compress_lens, shared: SharedState, debug: bool):
         """Scores, candidate pool and top-k of an index source; Reuse and Dense layers publish
         nothing new (a Dense layer's consumers attend to every visible entry)."""
         c, plan = self.config, self.plan
@@ -138,7 +139,18 @@ class Attention(nnx.Module):
                 reduce=c.block_score,
             )
         mask = pool.mask if plan.uses_candidates else None
-        return shared.replace(topk=topk_indices(scores, c.index_topk, mask), pool=pool)
+        topk = topk_indices(scores, c.index_topk, mask)
+        if debug:
+            check_selection(
+                plan.layer,
+                topk,
+                compress_lens,
+                pool,
+                block_size=c.candidate_block_size,
+                restricted=plan.uses_candidates,
+                publishes_pool=plan.is_candidate_source,
+            )
+        return shared.replace(topk=topk, pool=pool)
 
     def _selection(self, shared: SharedState, compress_lens, n_entries):
         """The indices this layer attends to: the latest top-k, or all visible entries after a
@@ -166,6 +178,7 @@ class Attention(nnx.Module):
         shared: SharedState,
         *,
         implementation: str = "xla",
+        debug: bool = False,
     ) -> tuple[Float[Array, "b t dim"], SharedState]:
         """Prefill over [B, T] tokens at positions 0..T−1 (padding rows compute garbage that no
         valid row reads)."""
@@ -193,7 +206,7 @@ class Attention(nnx.Module):
             indices = jnp.zeros((batch, seq, 0), jnp.int32)
         else:
             compress_lens = jnp.broadcast_to((positions + 1) // plan.compress_ratio, (batch, seq))
-            shared = self._select(qr, x, positions, compress_lens, shared)
+            shared = self._select(qr, x, positions, compress_lens, shared, debug)
             kv = shared.kv
             indices = self._selection(shared, compress_lens, kv.shape[1])
         # Every query row of a sequence reads the same compressed KV: map over the time axis.
@@ -264,6 +277,7 @@ class Attention(nnx.Module):
         positions: Int[Array, " b"],
         *,
         implementation: str = "xla",
+        debug: bool = False,
     ) -> tuple[Float[Array, "b dim"], SharedState, LayerCache]:
         """One token per sequence at `positions` [B]; reads and writes this layer's packed cache."""
         check_implementation(implementation)
@@ -291,7 +305,7 @@ class Attention(nnx.Module):
         else:
             compress_lens = (positions + 1) // plan.compress_ratio
             shared = self._select(
-                qr[:, None], x[:, None], positions[:, None], compress_lens[:, None], shared
+                qr[:, None], x[:, None], positions[:, None], compress_lens[:, None], shared, debug
             )
             n_entries = shared.kv_packed.shape[1]
             selected = self._selection(shared, compress_lens[:, None], n_entries)[:, 0]

@@ -7,17 +7,18 @@ logits (to float tolerance) and the same selections (DESIGN §3).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
 from v41jax.attention import Attention, SharedState, check_implementation
 from v41jax.cache import Cache
 from v41jax.config import ModelConfig, Role
+from v41jax.invariants import check_finite
 
 
 class SwiGLU(nnx.Module):
@@ -82,35 +83,55 @@ class Model(nnx.Module):
             )
 
     def run(
-        self, tokens: Int[Array, "b t"], *, implementation: str = "xla"
+        self, tokens: Int[Array, "b t"], *, implementation: str = "xla", debug: bool = False
     ) -> tuple[Float[Array, "b t vocab"], list[tuple[Float[Array, "b t dim"], SharedState]]]:
-        """Logits of a padded batch, and each layer's input and published state."""
+        """Logits of a padded batch, and each layer's input and published state.
+
+        `debug` stages the value invariants of `v41jax.invariants` (run under checkify)."""
         check_implementation(implementation)
         self._check_tokens(tokens, 2)
         h = self.embed(tokens)
         shared, trace = SharedState(), []
         for block in self.blocks:
             x = block.attn_norm(h)
-            out, shared = block.attn(x, shared, implementation=implementation)
+            out, shared = block.attn(x, shared, implementation=implementation, debug=debug)
             trace.append((x, shared))
             h = h + out
             h = h + block.ffn(block.ffn_norm(h))
-        return self.head(self.norm(h)), trace
+        logits = self.head(self.norm(h))
+        if debug:
+            check_finite("logits", logits)
+        return logits, trace
 
     def __call__(self, tokens: Int[Array, "b t"], *, implementation: str = "xla"):
         """Logits [B, T, vocab] of a padded batch of token ids [B, T]."""
         return self.run(tokens, implementation=implementation)[0]
 
 
-@functools.partial(nnx.jit, static_argnames=("max_len", "implementation"))
-def _prefill(model: Model, tokens, lengths, *, max_len: int, implementation: str):
-    logits, trace = model.run(tokens, implementation=implementation)
+def _checked(fn, model: Model, *args, **static):
+    """Runs `fn(model, *args, **static)` jitted under checkify and raises its first failed check
+    (compiles on every call: a debugging tool, not a serving path)."""
+    graphdef, state = nnx.split(model)
+
+    def pure(state, *args):
+        return fn(nnx.merge(graphdef, state), *args, **static)
+
+    error, out = jax.jit(checkify.checkify(pure))(state, *args)
+    error.throw()
+    return out
+
+
+def _prefill_impl(model: Model, tokens, lengths, *, max_len: int, implementation: str, debug):
+    logits, trace = model.run(tokens, implementation=implementation, debug=debug)
     layers = tuple(
         block.attn.prefill_cache(x, shared, lengths, max_len)
         for block, (x, shared) in zip(model.blocks, trace, strict=True)
     )
     cache = Cache(lengths=lengths.astype(jnp.int32), layers=layers, max_len=max_len)
     return logits, cache, _selections(model.config, [s for _, s in trace])
+
+
+_prefill = nnx.jit(_prefill_impl, static_argnames=("max_len", "implementation", "debug"))
 
 
 def prefill(
@@ -120,6 +141,7 @@ def prefill(
     *,
     max_len: int,
     implementation: str = "xla",
+    debug: bool = False,
 ) -> tuple[Float[Array, "b t vocab"], Cache, Selections]:
     """Runs a padded batch through the model and returns its logits, the packed cache for
     continuing each sequence after its own `lengths[b]` tokens, and the selections.
@@ -130,6 +152,9 @@ def prefill(
       lengths: [B] int, 1 <= lengths[b] <= T.
       max_len: tokens the cache can hold per sequence (>= T).
       implementation: 'xla' (kernels plug in here).
+      debug: check the value invariants of `v41jax.invariants` (selected indices visible, pool
+        within the visible positions with its newest block pinned, Reindex picks inside the
+        pool, finite logits) and raise `checkify.JaxRuntimeError` naming the first that fails.
     """
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     model._check_tokens(tokens, 2)
@@ -145,33 +170,46 @@ def prefill(
     ):
         raise ValueError(f"lengths: expected values in [1, {seq}], got {lengths.tolist()}")
     check_implementation(implementation)
-    return _prefill(model, tokens, lengths, max_len=max_len, implementation=implementation)
+    static = dict(max_len=max_len, implementation=implementation, debug=debug)
+    if debug:
+        return _checked(_prefill_impl, model, tokens, lengths, **static)
+    return _prefill(model, tokens, lengths, **static)
 
 
-@functools.partial(nnx.jit, static_argnames=("implementation",))
-def _decode_step(model: Model, tokens, cache: Cache, *, implementation: str):
+def _decode_step_impl(model: Model, tokens, cache: Cache, *, implementation: str, debug: bool):
     positions = cache.lengths
     h = model.embed(tokens)
     shared, layers, states = SharedState(), [], []
     for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
         x = block.attn_norm(h)
         out, shared, layer_cache = block.attn.decode(
-            x, shared, layer_cache, positions, implementation=implementation
+            x, shared, layer_cache, positions, implementation=implementation, debug=debug
         )
         layers.append(layer_cache)
         states.append(shared)
         h = h + out
         h = h + block.ffn(block.ffn_norm(h))
     logits = model.head(model.norm(h))
+    if debug:
+        check_finite("logits", logits)
     cache = cache.replace(lengths=positions + 1, layers=tuple(layers))
     return logits, cache, _selections(model.config, states)
 
 
+_decode_step = nnx.jit(_decode_step_impl, static_argnames=("implementation", "debug"))
+
+
 def decode_step(
-    model: Model, tokens: Int[Array, " b"], cache: Cache, *, implementation: str = "xla"
+    model: Model,
+    tokens: Int[Array, " b"],
+    cache: Cache,
+    *,
+    implementation: str = "xla",
+    debug: bool = False,
 ) -> tuple[Float[Array, "b vocab"], Cache, Selections]:
     """Appends one token per sequence (at position `cache.lengths[b]`) and returns its logits,
-    the updated cache and the selections ([B, 1, ...] per index source)."""
+    the updated cache and the selections ([B, 1, ...] per index source); `debug` as in
+    `prefill`."""
     tokens = jnp.asarray(tokens)
     model._check_tokens(tokens, 1)
     if tokens.shape[0] != cache.batch:
@@ -184,7 +222,11 @@ def decode_step(
             f"max_len is {cache.max_len}"
         )
     check_implementation(implementation)
-    return _decode_step(model, tokens, cache, implementation=implementation)
+    if debug:
+        return _checked(
+            _decode_step_impl, model, tokens, cache, implementation=implementation, debug=True
+        )
+    return _decode_step(model, tokens, cache, implementation=implementation, debug=False)
 
 
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
