@@ -202,3 +202,44 @@ def test_sparse_attention_rejects_bad_input(kwargs, name):
         sparse_attention(**(args | kwargs))
     if name == "implementation":
         assert all(repr(k) in str(err.value) for k in IMPLEMENTATIONS)
+
+
+def test_masked_attention_equals_sparse_attention_on_the_selected_positions():
+    """The prefill/training layout (a mask over the sequence's KV) is the same function as the
+    gather layout with the mask's positions as indices."""
+    from v41jax.sparse_attention import masked_attention
+
+    rng = np.random.default_rng(5)
+    b, t, h, d, w, s, k = 2, 5, 3, 16, 4, 11, 6
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    window = jnp.asarray(rng.standard_normal((b, t, w, d)), jnp.float32)
+    window_valid = jnp.asarray(rng.random((b, t, w)) < 0.7)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    # Distinct picks with −1 anywhere (any order is valid input), one row empty.
+    scores = rng.random((b, t, s))
+    picks = np.sort(np.argsort(scores, -1)[..., :k], -1)
+    picks = np.where(rng.random((b, t, k)) < 0.7, picks, -1)
+    picks[0, 0] = -1
+    indices = jnp.asarray(picks, jnp.int32)
+    mask = (
+        jnp.zeros((b, t, s), bool)
+        .at[np.arange(b)[:, None, None], np.arange(t)[None, :, None], np.maximum(picks, 0)]
+        .max(picks >= 0)
+    )
+
+    masked = masked_attention(q, window, window_valid, kv, mask, sink)
+    gathered = jax.vmap(
+        lambda q_t, w_t, v_t, i_t: sparse_attention(
+            q_t, w_t, v_t, kv, i_t, sink, return_probs=True
+        ),
+        in_axes=1,
+        out_axes=1,
+    )(q, window, window_valid, indices)
+    np.testing.assert_allclose(masked.out, gathered.out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(masked.lse, gathered.lse, rtol=1e-5, atol=1e-6)
+    # The probability of each picked key sits at its position in the masked layout.
+    per_position = np.asarray(masked.probs)[..., w:]
+    picked = np.take_along_axis(per_position, np.maximum(picks, 0)[:, :, None, :], -1)
+    expected = np.where(picks[:, :, None, :] >= 0, np.asarray(gathered.probs)[..., w:], 0)
+    np.testing.assert_allclose(np.where(picks[:, :, None, :] >= 0, picked, 0), expected, atol=1e-6)

@@ -27,8 +27,8 @@ from v41jax.indexer import Indexer
 from v41jax.invariants import check_selection
 from v41jax.pool import CandidatePool, select_candidate_blocks
 from v41jax.rope import apply_rope
-from v41jax.scoring import index_scores, topk_indices
-from v41jax.sparse_attention import sparse_attention
+from v41jax.scoring import index_scores, indices_to_mask, topk_indices
+from v41jax.sparse_attention import masked_attention, sparse_attention
 
 IMPLEMENTATIONS = ("xla",)
 """Values of `implementation=` accepted by the attention stack (Pallas kernels plug in here)."""
@@ -71,6 +71,38 @@ def window_slot_valid(position: Int[Array, " b"], window: int) -> Bool[Array, "b
     slots = jnp.arange(window)
     latest = position[:, None] - (position[:, None] - slots) % window
     return latest >= 0
+
+
+def indexer_kl(
+    scores: Float[Array, "*rows s"],
+    probs: Float[Array, "*rows heads s"],
+    key_mask: Bool[Array, "*rows s"],
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """The indexer's KL loss over the keys a layer attended to (DESIGN §7, DSA / Megatron CSA2).
+
+    Target: the main attention's probabilities of those keys (each head normalized over window,
+    selected keys and sink, as the layer computed them), summed over heads and renormalized over
+    the keys, detached. Student: log-softmax of the index scores over the same keys. Returns
+    (Σ over query rows of KL(target ‖ student), the number of rows that have a key); rows without
+    a key contribute nothing.
+
+    Args:
+      scores: [..., S] index scores (finite at every position `key_mask` holds).
+      probs: [..., H, S] main-attention probabilities of the compressed positions.
+      key_mask: [..., S] the keys the layer attended to.
+    """
+    target = jax.lax.stop_gradient(jnp.sum(probs, axis=-2))
+    target = jnp.where(key_mask, target, 0.0)
+    total = jnp.sum(target, axis=-1, keepdims=True)
+    has_key = total[..., 0] > 0
+    target = target / jnp.where(has_key[..., None], total, 1.0)
+    student = jnp.where(key_mask & has_key[..., None], scores, -jnp.inf)
+    log_student = jax.nn.log_softmax(jnp.where(has_key[..., None], student, 0.0), axis=-1)
+    positive = target > 0
+    log_target = jnp.log(jnp.where(positive, target, 1.0))
+    terms = jnp.where(positive, target * (log_target - log_student), 0.0)
+    kl = jnp.where(has_key, jnp.sum(terms, axis=-1), 0.0)
+    return jnp.sum(kl), jnp.sum(has_key).astype(jnp.float32)
 
 
 class Attention(nnx.Module):
@@ -123,11 +155,18 @@ class Attention(nnx.Module):
 
     def _select(self, qr, x, positions, compress_lens, shared: SharedState, debug: bool):
         """Scores, candidate pool and top-k of an index source; Reuse and Dense layers publish
-        nothing new (a Dense layer's consumers attend to every visible entry)."""
+        nothing new (a Dense layer's consumers attend to every visible entry).
+
+        Returns the new shared state and the index scores (None for non-index sources). The
+        indexer reads its inputs through `stop_gradient`: its only training signal is the KL
+        loss, and that loss must not reach the rest of the model (DESIGN §7).
+        """
         c, plan = self.config, self.plan
         if plan.role not in (Role.FULL, Role.REINDEX):
-            return shared
-        q, weights = self.indexer.queries(qr, x, positions)
+            return shared, None
+        q, weights = self.indexer.queries(
+            jax.lax.stop_gradient(qr), jax.lax.stop_gradient(x), positions
+        )
         scores = index_scores(q, weights, shared.index_k, compress_lens)
         pool = shared.pool
         if plan.is_candidate_source:
@@ -150,14 +189,14 @@ class Attention(nnx.Module):
                 restricted=plan.uses_candidates,
                 publishes_pool=plan.is_candidate_source,
             )
-        return shared.replace(topk=topk, pool=pool)
+        return shared.replace(topk=topk, pool=pool), scores
 
-    def _selection(self, shared: SharedState, compress_lens, n_entries):
-        """The indices this layer attends to: the latest top-k, or all visible entries after a
-        dense KV source; None for window-only layers."""
+    def _selection(self, shared: SharedState, compress_lens, n_entries, dense: bool = False):
+        """The indices this layer attends to: the latest top-k, or all visible entries (after a
+        dense KV source, or when `dense`); None for window-only layers."""
         if self.plan.role is Role.WINDOW:
             return None
-        if self.plan.topk_source is None:
+        if dense or self.plan.topk_source is None:
             entries = jnp.arange(n_entries)
             return jnp.where(entries < compress_lens[..., None], entries, -1)
         return shared.topk
@@ -179,9 +218,34 @@ class Attention(nnx.Module):
         *,
         implementation: str = "xla",
         debug: bool = False,
-    ) -> tuple[Float[Array, "b t dim"], SharedState]:
+        dense: bool = False,
+        indexer_loss: bool = False,
+        diagnostics: bool = False,
+    ) -> tuple[Float[Array, "b t dim"], SharedState, dict[str, Array]]:
         """Prefill over [B, T] tokens at positions 0..T−1 (padding rows compute garbage that no
-        valid row reads)."""
+        valid row reads).
+
+        Args:
+          x: [B, T, dim] normalized layer input.
+          shared: the state published by earlier layers.
+          implementation: 'xla' (kernels plug in here).
+          debug: stage the selection invariants (`v41jax.invariants`).
+          dense: attend to every visible compressed entry instead of the selection (the dense
+            baseline and the indexer warm-up); index sources still score, select and publish.
+          indexer_loss: compute this index source's KL loss (`indexer_kl`).
+          diagnostics: also return the index scores, the attention probabilities and indices.
+
+        Returns:
+          (output [B, T, dim], the updated shared state, aux). aux holds, for index sources,
+          'indexer_kl' (summed over query rows) and 'indexer_kl_rows' (rows with a key) when
+          `indexer_loss`; with `diagnostics`, for layers with compressed KV: 'key_mask'
+          [B, T, S] (the compressed keys the layer attended to), 'probs' [B, T, H, S] (their
+          attention probabilities, normalized with the window and the sink), 'dense_probs'
+          [B, T, S] (the layer's attention over every visible compressed position, summed over
+          heads and renormalized), for index sources
+          'scores' [B, T, S], and for Reindex layers after the candidate source
+          'unrestricted_topk' [B, T, index_topk] (its picks without the pool).
+        """
         check_implementation(implementation)
         c, plan = self.config, self.plan
         batch, seq, _ = x.shape
@@ -193,7 +257,8 @@ class Attention(nnx.Module):
             entry_positions = jnp.arange(latent.shape[1]) * plan.compress_ratio
             shared = shared.replace(kv=self._main_kv(latent, entry_positions))
             if self.indexer is not None:
-                shared = shared.replace(index_k=self.indexer.keys(latent, entry_positions))
+                keys = self.indexer.keys(jax.lax.stop_gradient(latent), entry_positions)
+                shared = shared.replace(index_k=keys)
 
         # Query p sees window positions p−W+1..p and compressed entries j < (p+1)//r.
         offsets = jnp.arange(c.window_size) - (c.window_size - 1)
@@ -202,23 +267,37 @@ class Attention(nnx.Module):
         window_valid = jnp.broadcast_to(window_pos >= 0, (batch, seq, c.window_size))
 
         if plan.role is Role.WINDOW:
-            kv = jnp.zeros((batch, 0, c.head_dim), x.dtype)
-            indices = jnp.zeros((batch, seq, 0), jnp.int32)
+            kv, indices, scores = jnp.zeros((batch, 0, c.head_dim), x.dtype), None, None
         else:
             compress_lens = jnp.broadcast_to((positions + 1) // plan.compress_ratio, (batch, seq))
-            shared = self._select(qr, x, positions, compress_lens, shared, debug)
+            shared, scores = self._select(qr, x, positions, compress_lens, shared, debug)
             kv = shared.kv
-            indices = self._selection(shared, compress_lens, kv.shape[1])
-        # Every query row of a sequence reads the same compressed KV: map over the time axis.
-        attend = jax.vmap(
-            lambda q_t, rows_t, valid_t, idx_t: sparse_attention(
-                q_t, rows_t, valid_t, kv, idx_t, self.sink[...], implementation=implementation
-            ),
-            in_axes=1,
-            out_axes=1,
+            indices = self._selection(shared, compress_lens, kv.shape[1], dense)
+        key_mask = (
+            jnp.zeros((batch, seq, kv.shape[1]), bool)
+            if indices is None
+            else indices_to_mask(indices, kv.shape[1])
         )
-        o = attend(q, window_rows, window_valid, indices)
-        return self._output(o, positions), shared
+        result = masked_attention(q, window_rows, window_valid, kv, key_mask, self.sink[...])
+        o = result.out
+        aux = {}
+        probs = result.probs[..., c.window_size :]
+        if indexer_loss and self.indexer is not None:
+            aux["indexer_kl"], aux["indexer_kl_rows"] = indexer_kl(scores, probs, key_mask)
+        if diagnostics and plan.role is not Role.WINDOW:
+            # The layer's dense attention (all visible entries, its own queries), summed over
+            # heads and renormalized over compressed positions: what a selection should cover.
+            visible = jnp.arange(kv.shape[1]) < compress_lens[..., None]
+            dense = masked_attention(q, window_rows, window_valid, kv, visible, self.sink[...])
+            dense_probs = jnp.sum(dense.probs[..., c.window_size :], axis=-2)
+            total = jnp.sum(dense_probs, axis=-1, keepdims=True)
+            dense_probs = dense_probs / jnp.where(total > 0, total, 1.0)
+            aux.update(key_mask=key_mask, probs=probs, dense_probs=dense_probs)
+            if scores is not None:
+                aux["scores"] = scores
+            if plan.uses_candidates:
+                aux["unrestricted_topk"] = topk_indices(scores, c.index_topk)
+        return self._output(o, positions), shared, aux
 
     def prefill_cache(
         self,
@@ -304,7 +383,7 @@ class Attention(nnx.Module):
             local = jnp.zeros((batch, 0), jnp.int32)
         else:
             compress_lens = (positions + 1) // plan.compress_ratio
-            shared = self._select(
+            shared, _ = self._select(
                 qr[:, None], x[:, None], positions[:, None], compress_lens[:, None], shared, debug
             )
             n_entries = shared.kv_packed.shape[1]

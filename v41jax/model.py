@@ -65,6 +65,14 @@ def _selections(config: ModelConfig, per_layer: list[SharedState]) -> Selections
     return Selections(topk, pool)
 
 
+class LayerTrace(NamedTuple):
+    """One layer of `Model.run`: its normalized input, the shared state after it, its aux."""
+
+    x: Float[Array, "b t dim"]
+    shared: SharedState
+    aux: dict[str, Array]
+
+
 class Model(nnx.Module):
     """Token embedding, `config.n_layers` blocks whose roles come from the config, head."""
 
@@ -83,19 +91,36 @@ class Model(nnx.Module):
             )
 
     def run(
-        self, tokens: Int[Array, "b t"], *, implementation: str = "xla", debug: bool = False
-    ) -> tuple[Float[Array, "b t vocab"], list[tuple[Float[Array, "b t dim"], SharedState]]]:
-        """Logits of a padded batch, and each layer's input and published state.
+        self,
+        tokens: Int[Array, "b t"],
+        *,
+        implementation: str = "xla",
+        debug: bool = False,
+        dense: bool = False,
+        indexer_loss: bool = False,
+        diagnostics: bool = False,
+    ) -> tuple[Float[Array, "b t vocab"], list[LayerTrace]]:
+        """Logits of a padded batch, and per layer its input, published state and aux.
 
-        `debug` stages the value invariants of `v41jax.invariants` (run under checkify)."""
+        `debug` stages the value invariants of `v41jax.invariants` (run under checkify);
+        `dense`, `indexer_loss` and `diagnostics` are as in `Attention.__call__`.
+        """
         check_implementation(implementation)
         self._check_tokens(tokens, 2)
         h = self.embed(tokens)
         shared, trace = SharedState(), []
         for block in self.blocks:
             x = block.attn_norm(h)
-            out, shared = block.attn(x, shared, implementation=implementation, debug=debug)
-            trace.append((x, shared))
+            out, shared, aux = block.attn(
+                x,
+                shared,
+                implementation=implementation,
+                debug=debug,
+                dense=dense,
+                indexer_loss=indexer_loss,
+                diagnostics=diagnostics,
+            )
+            trace.append(LayerTrace(x, shared, aux))
             h = h + out
             h = h + block.ffn(block.ffn_norm(h))
         logits = self.head(self.norm(h))
@@ -124,11 +149,11 @@ def _checked(fn, model: Model, *args, **static):
 def _prefill_impl(model: Model, tokens, lengths, *, max_len: int, implementation: str, debug):
     logits, trace = model.run(tokens, implementation=implementation, debug=debug)
     layers = tuple(
-        block.attn.prefill_cache(x, shared, lengths, max_len)
-        for block, (x, shared) in zip(model.blocks, trace, strict=True)
+        block.attn.prefill_cache(t.x, t.shared, lengths, max_len)
+        for block, t in zip(model.blocks, trace, strict=True)
     )
     cache = Cache(lengths=lengths.astype(jnp.int32), layers=layers, max_len=max_len)
-    return logits, cache, _selections(model.config, [s for _, s in trace])
+    return logits, cache, _selections(model.config, [t.shared for t in trace])
 
 
 _prefill = nnx.jit(_prefill_impl, static_argnames=("max_len", "implementation", "debug"))

@@ -55,7 +55,7 @@ def _sparse_attention_xla(
     sink: Float[Array, " head"],
     scale: float | Float[Array, ""],
 ) -> SparseAttentionResult:
-    batch, (n_heads, dim) = q.shape[:-2], q.shape[-2:]
+    batch, dim = q.shape[:-2], q.shape[-1]
     n_kv = kv.shape[-2]
 
     # Gather the selected rows; kv gets leading 1s so take_along_axis broadcasts it over `batch`.
@@ -86,8 +86,17 @@ def _sparse_attention_xla(
     logits = jnp.einsum(
         "...hd,...jd->...hj", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST
     )
-    logits = jnp.where(valid[..., None, :], logits * scale, -jnp.inf)
-    sink = jnp.broadcast_to(sink.astype(jnp.float32), (*batch, n_heads))
+    probs, lse = _softmax_with_sink(logits * scale, valid[..., None, :], sink)
+    out = jnp.einsum("...hj,...jd->...hd", probs, keys, precision=lax.Precision.HIGHEST)
+    return SparseAttentionResult(out, probs, lse)
+
+
+def _softmax_with_sink(
+    logits: Float[Array, "*batch head key"], valid: Bool[Array, "*#batch #head key"], sink
+) -> tuple[Float[Array, "*batch head key"], Float[Array, "*batch head"]]:
+    """Softmax over the valid keys and the per-head sink logit; (probs, lse). 0 at invalid keys."""
+    logits = jnp.where(valid, logits, -jnp.inf)
+    sink = jnp.broadcast_to(sink.astype(jnp.float32), logits.shape[:-1])
     # The sink takes part in the running max, so an empty row has a finite max and exact zeros.
     # The max cancels out of the result: no gradient through it. A −inf max happens only with
     # sink = −inf and an empty row; 0 then keeps exp() finite.
@@ -97,7 +106,60 @@ def _sparse_attention_xla(
     denom = jnp.sum(weights, axis=-1) + jnp.exp(sink - row_max)
     lse = row_max + jnp.log(denom)
     probs = weights / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = jnp.einsum("...hj,...jd->...hd", probs, keys, precision=lax.Precision.HIGHEST)
+    return probs, lse
+
+
+def masked_attention(
+    q: Float[Array, "batch seq head dim"],
+    window_kv: Float[Array, "batch seq window dim"],
+    window_valid: Bool[Array, "batch seq window"],
+    kv: Float[Array, "batch n_kv dim"],
+    key_mask: Bool[Array, "batch seq n_kv"],
+    sink: Float[Array, " head"],
+    *,
+    scale: float | None = None,
+) -> SparseAttentionResult:
+    """`sparse_attention` for a whole sequence, with the selection given as a mask over `kv`.
+
+    The same function as `sparse_attention` with `indices` = the True positions of `key_mask`
+    (selections hold distinct positions, so nothing is counted twice), laid out for prefill and
+    training: every query row shares the sequence's compressed KV, and the selected keys are
+    scored with one [T, S] matmul per head instead of a [T, K, D] gather, which is what makes
+    training on the CPU affordable. Like the official reference, it computes every position and
+    masks; the cost is O(T·S) per head.
+
+    Args:
+      q: [B, T, H, D] queries.
+      window_kv: [B, T, W, D] each query's window rows; window_valid: [B, T, W].
+      kv: [B, S, D] compressed KV of the sequence (K = V); key_mask: [B, T, S] selected keys.
+      sink: [H] per-head sink logit (unscaled, zero value).
+      scale: logit scale, default D^-0.5.
+
+    Returns:
+      `SparseAttentionResult(out [B, T, H, D], probs [B, T, H, W + S] (window slots, then every
+      position of `kv`, 0 where not selected), lse [B, T, H])`.
+    """
+    dim = q.shape[-1]
+    chex.assert_rank((q, window_kv, window_valid, kv, key_mask), (4, 4, 3, 3, 3))
+    chex.assert_equal_shape_prefix((q, window_kv, window_valid, key_mask), 2)
+    chex.assert_equal(kv.shape[-2], key_mask.shape[-1])
+    scale = _resolve_scale(scale, dim)
+    q32 = q.astype(jnp.float32)
+    window_kv = jnp.where(window_valid[..., None], window_kv.astype(jnp.float32), 0.0)
+    kv = kv.astype(jnp.float32)
+    hi = lax.Precision.HIGHEST
+    logits = jnp.concatenate(
+        [
+            jnp.einsum("bthd,btwd->bthw", q32, window_kv, precision=hi),
+            jnp.einsum("bthd,bsd->bths", q32, kv, precision=hi),
+        ],
+        axis=-1,
+    )
+    valid = jnp.concatenate([window_valid, key_mask], axis=-1)[..., None, :]
+    probs, lse = _softmax_with_sink(logits * scale, valid, sink)
+    n_window = window_kv.shape[-2]
+    out = jnp.einsum("bthw,btwd->bthd", probs[..., :n_window], window_kv, precision=hi)
+    out = out + jnp.einsum("bths,bsd->bthd", probs[..., n_window:], kv, precision=hi)
     return SparseAttentionResult(out, probs, lse)
 
 

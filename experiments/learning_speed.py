@@ -1,0 +1,107 @@
+"""How many steps do tiny models need to solve the retrieval tasks? (choosing `v41jax train`'s
+default task and budget).
+
+Trains each candidate setting for a fixed number of steps (no checkpoints) and records the eval
+accuracy curve; the step at which a setting first reaches 95 % tells what fits the main job's
+5-minute CPU budget at the measured CPU step time.
+
+    PYTHONPATH=. python3 experiments/learning_speed.py --out experiments/results/learning_speed.json
+    PYTHONPATH=. python3 experiments/learning_speed.py --smoke   # seconds, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from v41jax import evaluate, train
+
+SETTINGS = {
+    "mqar256_p8q8": dict(task_overrides=(("seq_len", 256), ("n_pairs", 8), ("n_queries", 8))),
+    "mqar128_p8q8_pool4": dict(
+        task_overrides=(("seq_len", 128), ("n_pairs", 8), ("n_queries", 8)),
+        candidate_topk_blocks=4,
+        index_topk=16,
+    ),
+    "mqar256_p16q8": dict(task_overrides=(("seq_len", 256), ("n_pairs", 16), ("n_queries", 8))),
+    "passkey256": dict(task="passkey", task_overrides=(("seq_len", 256),)),
+}
+
+
+def run_setting(name: str, overrides: dict, steps: int, batch: int, lr: float, every: int) -> dict:
+    cfg = train.TrainConfig(
+        steps=steps,
+        batch_size=batch,
+        learning_rate=lr,
+        dense_warmup_steps=steps // 10,
+        **overrides,
+    )
+    model, optimizer = train.build(cfg)
+    task = cfg.make_task()
+    curve, clock = [], time.perf_counter()
+    for step in range(steps):
+        b = task.batch_at(cfg.seed, step, batch)
+        metrics = train.train_step(
+            model,
+            optimizer,
+            jnp.asarray(b.tokens),
+            jnp.asarray(b.targets),
+            jnp.asarray(b.loss_mask),
+            dense=cfg.dense_at(step),
+            indexer_kl_weight=cfg.indexer_kl_weight,
+        )
+        if (step + 1) % every == 0:
+            result = evaluate.evaluate(
+                model, task, seed=99, batches=2, batch_size=batch, dense=cfg.dense_at(step)
+            )
+            point = {
+                "step": step + 1,
+                "seconds": time.perf_counter() - clock,
+                "train_loss": float(metrics["task_loss"]),
+                "accuracy": result["accuracy"],
+            }
+            curve.append(point)
+            print(name, lr, point, flush=True)
+    reached = next((p["step"] for p in curve if p["accuracy"] >= 0.95), None)
+    return {"setting": name, "lr": lr, "batch": batch, "curve": curve, "steps_to_95": reached}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, nargs="+", default=[3e-3, 1e-2])
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--smoke", action="store_true", help="a few steps of one setting")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.batch, args.lr, args.settings, args.every = (
+            4,
+            2,
+            [3e-3],
+            ["mqar128_p8q8_pool4"],
+            2,
+        )
+    results = []
+    for name in args.settings:
+        for lr in args.lr:
+            results.append(
+                run_setting(name, SETTINGS[name], args.steps, args.batch, lr, args.every)
+            )
+            if args.out:  # after every setting, so a run cut short keeps what it measured
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                report = {"device": str(jax.devices()[0]), "results": results}
+                args.out.write_text(json.dumps(report, indent=1))
+    for r in results:
+        print(f"{r['setting']:>22} lr={r['lr']:.0e}: steps to 95 % = {r['steps_to_95']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,421 @@
+"""Pooled indexer scoring on Hopper: a Mosaic GPU (Pallas `plgpu`) kernel (DESIGN §6.1).
+
+What it computes is `reference.pooled_scores_reference` for MXFP4 index keys of dim 128 (68-byte
+rows) and blocks of 8 positions. How:
+
+- One CTA (one warpgroup, Lane lowering semantics) owns `tiles_per_cta` tiles of one query; a
+  tile is 8 pool blocks = 64 rows. Only those rows are read: each 8-row block is 544 contiguous
+  bytes, fetched by two bulk copies (bytes 0..511 and 416..543: Pallas copies move multiples of
+  128 bytes, so the two overlap by 96 bytes that land twice in shared memory with the same
+  values). Each warp issues the copies of two blocks. Copies for the next `num_stages − 1` tiles
+  are in flight while a tile is computed; −1 blocks are not fetched.
+- Decode in registers (Hopper has no FP4 MMA): each 32-bit word holds 8 E2M1 nibbles; nibbles n
+  and n+4 become one f16 pair with shifts and masks (the f16 bits of e2m1·2⁻¹⁴, exact, the E2M1
+  subnormal included), times the f16 power of two 2^(X_g − X + 14), where X_g is the E8M0 code of
+  the value's 32-group and X the row's largest: K' = e2m1·2^(X_g − X), exact. The row's scale
+  2^(X − 127) multiplies the row's score at the end (f32), so K' stays in f16 range whatever the
+  scales.
+- The decoded tile is the wgmma A operand straight from registers, q' (f16, in shared memory) the
+  B operand: acc[64 rows, heads] = K'·q'ᵀ in f32 (swap-AB: the 64 key rows fill wgmma's M=64, the
+  heads are N). Then ReLU, the head weights, the sum over heads, the row scale, the −inf mask, and
+  a 256-byte store of the tile's 64 scores. q' = q/2^e_h per head (|q'| < 1) with w' = w·2^e_h
+  (`kernel_queries`; exact since ReLU(2^e·x) = 2^e·ReLU(x)).
+- The decode emits the 128 dims in "nibble-major" order (dim 8w+n of the row lands in column
+  16n+w, w = word, n = nibble), so q is permuted the same way once per call (`permute_dims`):
+  q·k is unchanged and no register shuffles are needed.
+
+Numerics: exact products for MXFP4 q (its values are f16-exact after the per-head power of two,
+unless a 32-group is ~20 binades below the head's largest value); other q are rounded to f16
+(relative 2⁻¹¹). Accumulation is f32 in wgmma order. A key group more than 28 binades below its
+row's largest scale flushes to zero; a row whose largest E8M0 code is 0 (2⁻¹²⁷, never produced by
+`quant.pack`) scores 0; the NaN scale code 0xFF gives NaN scores like the reference.
+
+Interpret mode (`interpret=True`, CPU tests) runs the same kernel with two substitutions the
+interpreter forces: one copy per block (it cannot reshape refs, and has no 128-byte rule) and the
+tile product as `jnp.dot` (its wgmma reads A only from shared memory).
+
+Measured on the H200 (NOTES.md, `results/`): 55 µs for 64 queries × 16,384 pool positions, about
+a third of the copy bandwidth; bound by instruction issue (copy issue, decode, per-tile epilogue),
+not by HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int, UInt8, UInt32
+
+BLOCK_SIZE = 8  # positions per candidate block (V4.1's candidate_block_size)
+DIM = 128  # index head dim: a row is 64 nibble bytes + 4 E8M0 bytes = 17 words
+ROW_WORDS = 17
+BLOCK_WORDS = BLOCK_SIZE * ROW_WORDS  # 136 words = 544 bytes per block
+TILE_BLOCKS = 8  # blocks per tile: 64 rows = wgmma's M
+TILE_ROWS = TILE_BLOCKS * BLOCK_SIZE
+HEAD_ALIGN = 32  # heads are padded to this (wgmma N % 8, and 128-byte copies of w)
+# The two copies of one block: words [0, 128) and [104, 136) (multiples of 128 bytes each).
+_COPIES = ((0, 128), (BLOCK_WORDS - 32, 32))
+# Bits of an f16 pair (two halves) that the sign and the E2M1 magnitude of a nibble go to.
+_SIGN_BITS = np.uint32(0x80008000)
+_MAGNITUDE_BITS = np.uint32(0x0E000E00)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Tile sizes of the Mosaic GPU pooled-scoring kernel.
+
+    Args:
+      tiles_per_cta: 64-row tiles (8 blocks each) one CTA scores; a multiple of 4 (the block ids
+        of a CTA are one copy of a multiple of 128 bytes). Fewer → more CTAs per query.
+      num_stages: tiles whose rows are in flight or resident in shared memory (≥ 2).
+
+    The default is the tuning the GPU tests ran with; (16, 4) measured 5 % faster (NOTES.md).
+    """
+
+    tiles_per_cta: int = 32
+    num_stages: int = 4
+
+    def __post_init__(self):
+        if self.tiles_per_cta <= 0 or self.tiles_per_cta % 4:
+            raise ValueError(
+                f"tiles_per_cta: expected a positive multiple of 4, got {self.tiles_per_cta}"
+            )
+        if self.num_stages < 2:
+            raise ValueError(f"num_stages: expected at least 2, got {self.num_stages}")
+
+
+def permute_dims(x: Float[Array, "*batch 128"]) -> Float[Array, "*batch 128"]:
+    """Reorders the last axis (128 dims) into the kernel's nibble-major column order:
+    column 16n + w holds dim 8w + n (w: 32-bit word of the packed row, n: nibble in it)."""
+    return x.reshape(*x.shape[:-1], 16, 8).swapaxes(-1, -2).reshape(x.shape)
+
+
+def packed_words(k_packed: UInt8[Array, "batch seq 68"]) -> UInt32[Array, "batch blocks 136"]:
+    """The packed rows as little-endian 32-bit words grouped by block: [B, ceil(S/8), 136].
+
+    A cache length that is not a multiple of 8 is padded with zero rows (this copies the cache;
+    allocate caches in whole blocks to avoid it). The positions added are ≥ S, hence masked.
+    """
+    batch, n_pos, _ = k_packed.shape
+    n_blocks = -(-n_pos // BLOCK_SIZE)
+    if n_blocks * BLOCK_SIZE != n_pos:
+        k_packed = jnp.pad(k_packed, ((0, 0), (0, n_blocks * BLOCK_SIZE - n_pos), (0, 0)))
+    words = k_packed.reshape(batch, n_blocks, BLOCK_WORDS, 4)
+    return lax.bitcast_convert_type(words, jnp.uint32)
+
+
+def kernel_queries(
+    q: Float[Array, "batch heads 128"], weights: Float[Array, "batch heads"]
+) -> tuple[Float[Array, "batch heads_padded 128"], Float[Array, "batch heads_padded"]]:
+    """q and the head weights as the kernel reads them: q in nibble-major order, divided by a
+    power of two 2^e_h per head so that |q'| < 1 in f16, and w' = w·2^e_h (exact, since
+    ReLU(2^e·x) = 2^e·ReLU(x)); heads zero-padded to a multiple of 32 (they score 0).
+
+    q' is exact in f16 for MXFP4 q (e2m1 values times powers of two), unless a group of 32 dims
+    is more than ~20 binades below the head's largest value; other q are rounded to f16.
+    """
+    n_heads = q.shape[1]
+    q = q.astype(jnp.float32)
+    _, exponent = jnp.frexp(jnp.max(jnp.abs(q), axis=-1))  # max|q| < 2^e (e = 0 for q = 0)
+    q = jnp.ldexp(q, -exponent[..., None])
+    weights = jnp.ldexp(weights.astype(jnp.float32), exponent)
+    heads = -(-n_heads // HEAD_ALIGN) * HEAD_ALIGN
+    q = jnp.pad(permute_dims(q), ((0, 0), (0, heads - n_heads), (0, 0)))
+    weights = jnp.pad(weights, ((0, 0), (0, heads - n_heads)))
+    return q.astype(jnp.float16), weights
+
+
+def _decode_tile(words, scale_words):
+    """Decodes a tile: f16 keys K' [64, 128] (nibble-major columns) and the row exponents [64].
+
+    words: [64, 16] uint32, the 64 nibble bytes of each row; scale_words: [64] uint32, the 4 E8M0
+    bytes of each row (byte g scales words 4g..4g+3). With X_g the code of a value's group and X the
+    row's largest code, K' = e2m1 · 2^(X_g − X), so that k = K' · 2^(X − 127): factoring the row's
+    scale out keeps K' in f16 range whatever the scales (groups more than 28 binades below the
+    row's largest flush to zero). Returns (K', X).
+    """
+    codes = [(scale_words >> (8 * g)) & 0xFF for g in range(4)]
+    row_code = functools.reduce(jnp.maximum, codes)
+    column = plgpu.broadcasted_iota(jnp.uint32, words.shape, 1, layout=plgpu.Layout.WGMMA)
+    code = (lax.broadcast_in_dim(scale_words, words.shape, (0,)) >> ((column >> 2) << 3)) & 0xFF
+    # f16 2^(X_g − X + 14) (the decoded pairs below carry a factor 2^-14): exponent field
+    # X_g − X + 29, or 0 (flush) for groups that far below the row's largest.
+    field = code.astype(jnp.int32) + 29 - lax.broadcast_in_dim(row_code, words.shape, (0,))
+    field = jnp.maximum(field.astype(jnp.int32), 0)
+    multiplier = lax.bitcast_convert_type((field << 10).astype(jnp.uint16), jnp.float16)
+    pieces = [None] * 8
+    for k in range(4):
+        # Nibbles k and k + 4 of each word as an f16 pair: sign (nibble bit 3) to bit 15, the
+        # three magnitude bits to bits 9..11, i.e. the f16 bits of e2m1 · 2^-14 (exact, the E2M1
+        # subnormal 0.5 becoming an f16 subnormal).
+        sign = (words << (12 - 4 * k)) & _SIGN_BITS
+        magnitude = (words << (9 - 4 * k) if k < 3 else words >> 3) & _MAGNITUDE_BITS
+        bits = sign | magnitude
+        for nibble, half in ((k, bits), (k + 4, bits >> 16)):
+            value = lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16)
+            pieces[nibble] = value * multiplier  # exact: a power of two times e2m1
+    return jnp.concatenate(pieces, axis=1), row_code
+
+
+def _kernel(
+    k_hbm,
+    q_hbm,
+    w_hbm,
+    ids_hbm,
+    lim_hbm,
+    out_hbm,
+    k_smem,
+    q_smem,
+    w_smem,
+    ids_smem,
+    lim_smem,
+    out_smem,
+    k_barriers,
+    meta_barrier,
+    *,
+    n_tiles: int,
+    num_stages: int,
+    n_blocks: int,
+    interpret: bool,
+    ablation: str | None,
+):
+    b = lax.axis_index("batch")
+    split = lax.axis_index("split")
+    plgpu.copy_gmem_to_smem(ids_hbm.at[b, split], ids_smem, meta_barrier)
+    plgpu.copy_gmem_to_smem(q_hbm.at[b], q_smem, meta_barrier)
+    plgpu.copy_gmem_to_smem(w_hbm.at[b], w_smem, meta_barrier)
+    plgpu.copy_gmem_to_smem(lim_hbm.at[b], lim_smem, meta_barrier)
+    plgpu.barrier_wait(meta_barrier)
+
+    whole_blocks = interpret
+    copies_per_block = 1 if whole_blocks else len(_COPIES)
+
+    def fetch_block(block, i, slot):
+        """Starts the copy of block `block` into rows 8i..8i+7 of stage `slot`."""
+
+        @pl.when(block >= 0)
+        def _copy():
+            # Ids beyond the cache are masked later; clamping keeps the read in bounds.
+            src = jnp.minimum(block, n_blocks - 1)
+            if whole_blocks:
+                plgpu.copy_gmem_to_smem(
+                    k_hbm.at[b, src],
+                    k_smem.at[slot, pl.ds(i * BLOCK_SIZE, BLOCK_SIZE)],
+                    k_barriers.at[slot],
+                )
+                return
+            block_smem = k_smem.at[slot].reshape(TILE_BLOCKS, BLOCK_WORDS).at[i]
+            for start, size in _COPIES:
+                plgpu.copy_gmem_to_smem(
+                    k_hbm.at[b, src, pl.ds(start, size)],
+                    block_smem.at[pl.ds(start, size)],
+                    k_barriers.at[slot],
+                    oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+                )
+
+        @pl.when(block < 0)
+        def _skip():
+            # A −1 block is not read; its rows are masked. Arrive as its copies would.
+            for _ in range(copies_per_block):
+                plgpu.barrier_arrive(k_barriers.at[slot])
+
+    def fetch(tile, slot):
+        """Starts the copies of the tile's 8 blocks into stage `slot`.
+
+        On the GPU a block is two overlapping copies (see the module docstring); the interpreter
+        has no 128-byte rule but cannot reshape refs, so there (`whole_blocks`) it is one copy.
+        Each warp issues the copies of two blocks: issued by the whole warpgroup, every copy
+        would cost a warpgroup barrier and the address arithmetic in all 128 threads.
+        """
+
+        def per_warp(warp):
+            for i in range(TILE_BLOCKS):
+                pl.when(warp == i * 4 // TILE_BLOCKS)(
+                    functools.partial(fetch_block, ids_smem[tile, i], i, slot)
+                )
+
+        plgpu.warp_map(per_warp)
+
+    for stage in range(min(num_stages, n_tiles)):
+        fetch(stage, stage)
+
+    weights = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+    limit = lim_smem[0]
+    row = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+
+    @pl.loop(0, n_tiles)
+    def _tile(tile):
+        slot = lax.rem(tile, num_stages)
+        if ablation == "no_fetch":  # only the prologue's copies arrive
+            pl.when(tile < num_stages)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
+        else:
+            plgpu.barrier_wait(k_barriers.at[slot])
+        rows = k_smem.at[slot]
+        # 68-byte rows: 4-byte loads only (no wider vectors, no ldmatrix), and some bank
+        # conflicts that no 17-word row pitch avoids (`optimized=False` accepts them). The
+        # cast to the wgmma layout only pairs registers.
+        words = plgpu.load(
+            rows.at[:, pl.ds(0, 16)], layout=plgpu.Layout._WGMMA_ACC_32BIT, optimized=False
+        )
+        words = plgpu.layout_cast(words, plgpu.Layout.WGMMA)
+        scale_words = plgpu.load(
+            rows.at[:, 16], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False
+        )
+
+        @pl.when(tile + num_stages < n_tiles)
+        def _():
+            if ablation != "no_fetch":
+                fetch(tile + num_stages, slot)  # after a warpgroup barrier: the loads are done
+
+        keys, row_code = _decode_tile(words, scale_words)
+        if ablation == "no_decode":  # the raw words as keys: the decode drops out
+            raw = lax.bitcast_convert_type((words & 0x3FFF).astype(jnp.uint16), jnp.float16)
+            keys = jnp.concatenate([raw] * 8, axis=1)
+            row_code = (scale_words & 1) | 126
+
+        if whole_blocks:
+            # The interpreter's wgmma takes A only from shared memory: same product, jnp.dot.
+            logits = jnp.dot(
+                keys.astype(jnp.float32),
+                q_smem[...].astype(jnp.float32).T,
+                precision=lax.Precision.HIGHEST,
+            )
+        else:
+
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, keys, q_smem.transpose((1, 0)))
+                return acc_ref[...]
+
+            logits = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, q_smem.shape[0]), jnp.float32))
+        head_weights = lax.broadcast_in_dim(weights, logits.shape, (1,))
+        scores = jnp.sum(jnp.maximum(logits, 0.0) * head_weights, axis=1)
+        # The row's scale 2^(X − 127), exact in f32 (X = 0, never packed, flushes; 0xFF is NaN).
+        row_scale = lax.bitcast_convert_type(row_code << 23, jnp.float32)
+        scores = jnp.where(row_code == 0xFF, jnp.nan, scores * row_scale)
+
+        # Position of each row: block id of its slot (8 scalars, selected per row) · 8 + offset.
+        block = jnp.full_like(row, ids_smem[tile, 0])
+        for i in range(1, TILE_BLOCKS):
+            block = jnp.where(row // BLOCK_SIZE == i, ids_smem[tile, i], block)
+        pos = block * BLOCK_SIZE + row % BLOCK_SIZE
+        scores = jnp.where((block >= 0) & (pos < limit), scores, -jnp.inf)
+
+        out_slot = lax.rem(tile, 2)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from two tiles ago
+        out_smem[out_slot] = scores
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[out_slot], out_hbm.at[b, split, tile])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def pooled_scores_mgpu(
+    k_packed: UInt8[Array, "batch seq 68"] | UInt32[Array, "batch blocks 136"],
+    q: Float[Array, "batch heads 128"],
+    weights: Float[Array, "batch heads"],
+    block_ids: Int[Array, "batch n_blocks"],
+    lengths: Int[Array, " batch"],
+    *,
+    n_pos: int | None = None,
+    config: TuningConfig = TuningConfig(),
+    interpret: bool = False,
+    _ablation: str | None = None,
+) -> Float[Array, "batch n_pool"]:
+    """Pool scores in block order, as `reference.pooled_scores_reference` (fmt 'mxfp4',
+    block_size 8, dim 128).
+
+    Args:
+      k_packed: [B, S, 68] uint8 packed rows, or the same bytes as `packed_words` gives them
+        ([B, ceil(S/8), 136] uint32; then `n_pos` = S is required).
+      q: [B, H, 128] float queries; weights: [B, H] float; block_ids: [B, NB] int (−1 padded);
+        lengths: [B] int.
+      n_pos: S, when `k_packed` is given as words.
+      config: tile sizes.
+      interpret: run the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
+      _ablation: a measurement aid (wrong results): 'no_fetch' computes every tile on the first
+        stages' rows (no copies after the prologue), 'no_decode' moves the rows and runs the
+        matmul and the epilogue on the raw words as keys. Timing both against the full kernel
+        shows which part limits it (`bench.py`, NOTES.md).
+
+    Returns:
+      [B, NB·8] float32 scores; −inf for −1 blocks and positions ≥ lengths[b] or ≥ S.
+    """
+    if k_packed.dtype == jnp.uint8:
+        n_pos = k_packed.shape[1]
+        k_words = packed_words(k_packed)
+    else:
+        if n_pos is None:
+            raise ValueError("n_pos: required when k_packed is given as uint32 words")
+        k_words = k_packed
+    batch, n_heads, dim = q.shape
+    if dim != DIM or k_words.shape[2] != BLOCK_WORDS:
+        raise ValueError(f"q: the kernel needs dim {DIM} (68-byte rows), got q {q.shape}")
+    if n_heads > 256:  # wgmma's N and a TMA box dimension
+        raise ValueError(f"q: the kernel takes at most 256 heads, got {n_heads}")
+    n_slots = block_ids.shape[1]
+    n_tiles_total = -(-n_slots // TILE_BLOCKS)
+    # A query's tiles are split over CTAs; a small pool gets fewer, smaller CTAs.
+    tiles_per_cta = min(config.tiles_per_cta, -(-n_tiles_total // 4) * 4)
+    n_splits = -(-n_tiles_total // tiles_per_cta)
+    padded_slots = n_splits * tiles_per_cta * TILE_BLOCKS
+    ids = jnp.pad(
+        jnp.asarray(block_ids, jnp.int32),
+        ((0, 0), (0, padded_slots - n_slots)),
+        constant_values=-1,
+    ).reshape(batch, n_splits, tiles_per_cta, TILE_BLOCKS)
+    q_kernel, w_kernel = kernel_queries(q, weights)
+    heads = q_kernel.shape[1]
+    limit = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, n_pos)
+    limit = jnp.broadcast_to(limit[:, None], (batch, 32))  # one 128-byte row per query
+
+    num_stages = min(config.num_stages, tiles_per_cta)
+    swizzle = 128
+    q_transforms = (
+        plgpu.TilingTransform((8, swizzle // 2)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            n_tiles=tiles_per_cta,
+            num_stages=num_stages,
+            n_blocks=k_words.shape[1],
+            interpret=interpret,
+            ablation=_ablation,
+        ),
+        out_type=jax.ShapeDtypeStruct((batch, n_splits, tiles_per_cta, TILE_ROWS), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((num_stages, TILE_ROWS, ROW_WORDS), jnp.uint32),
+            plgpu.SMEM((heads, DIM), jnp.float16, transforms=q_transforms),
+            plgpu.SMEM((heads,), jnp.float32),
+            plgpu.SMEM((tiles_per_cta, TILE_BLOCKS), jnp.int32),
+            plgpu.SMEM((32,), jnp.int32),
+            plgpu.SMEM((2, TILE_ROWS), jnp.float32),
+            plgpu.Barrier(
+                num_arrivals=TILE_BLOCKS * (1 if interpret else len(_COPIES)),
+                num_barriers=num_stages,
+            ),
+            plgpu.Barrier(num_arrivals=4),
+        ],
+        grid=(batch, n_splits),
+        grid_names=("batch", "split"),
+        # Lane semantics: explicit register layouts (the decode picks them to avoid misaligned
+        # vector loads from 68-byte rows) instead of the layout-inference pass.
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        # The interpreter checks races and starts every buffer as NaN (unwritten outputs show).
+        interpret=(
+            plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+            if interpret
+            else None
+        ),
+    )
+    if interpret:
+        k_words = k_words.reshape(batch, -1, BLOCK_SIZE, ROW_WORDS)
+    out = kernel(k_words, q_kernel, w_kernel, ids, limit)
+    return out.reshape(batch, padded_slots * BLOCK_SIZE)[:, : n_slots * BLOCK_SIZE]

@@ -1,0 +1,748 @@
+"""FP4-dequant sparse attention on Hopper through Mosaic GPU (DESIGN §3 step 4, §6 kernel 2).
+
+One CTA per (query, group of 64 heads, split) and two compute warpgroups. The 64 heads are the M
+dimension of every wgmma (MQA: one latent shared by all heads); keys stream in chunks of 64: the
+query's FP8 window rows first, then the compressed rows its top-k selects. Warpgroup w owns dims
+[w·D/2, (w+1)·D/2) of the latent. Per chunk:
+
+1. each thread gathers its share of the chunk's packed rows straight from HBM with vector loads
+   (Hopper has no TMA gather; `TuningConfig.prefetch` loads the next chunk's rows ahead), decodes
+   E2M1 × E4M3 (window: E4M3 × UE8M0) to bf16 in registers and stores the tile into 128-byte
+   swizzled shared memory; a −1 slot is decoded from zeroed bytes, so it holds exact zeros;
+2. a partial QK^T over its half of D (wgmma 64×64×D/2); the two partial logit tiles are summed
+   through shared memory, so both warpgroups hold the same logits;
+3. the same online softmax in both (log2 domain; the sink opens the running max and sum);
+4. PV into its half of the output (wgmma 64×D/2×64; K = V, so one tile serves both products).
+
+When the batch alone leaves SMs idle, each (query, head group) is split over up to 4 CTAs, each
+taking a contiguous share of the chunks (split-KV); their bf16 partial outputs and log2-sum-exps
+are merged in XLA. The output is bf16 [B, H, D]; logits, softmax and accumulators are float32.
+
+The decode is PTX inlined through `plgpu.inline_mgpu` (sm_90 has no FP4 and no E4M3→bf16
+instruction): E2M1 nibbles go through three byte-permute (`prmt`) look-ups per 4 values; E4M3
+bytes are placed in bf16's bit fields as value · 2⁻¹²⁰ (subnormals included) and rescaled; every
+product is exact in bf16 (DESIGN §4). CPU interpret mode cannot run inline PTX, so there the same
+kernel runs with `dequant='jnp'` (gather, then `v41jax.quant.unpack`), and the PTX programs are
+executed instruction by instruction in numpy by tests/test_sparse_attention_kernel.py, bit for
+bit against `quant.unpack`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, memref, vector
+from jaxtyping import Array, Float
+
+from v41jax import quant
+
+BLOCK_HEADS = 64  # wgmma M: the heads of one CTA
+BLOCK_KV = 64  # keys per chunk
+WARPGROUP = 128
+_LOG2E = math.log2(math.e)
+_TILE = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 [.., 64] tiles
+_F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+# The decode is four self-contained PTX programs (operands $0.. outputs first, then inputs),
+# used verbatim by the kernel and interpreted instruction by instruction in numpy by the tests.
+
+# E2M1 nibble → bf16 look-up tables for `prmt` (8 entries, one byte each, indexed by the
+# magnitude code 0..7): low bytes, high bytes, and high bytes with the sign bit set.
+E2M1_LOW = (0xC0800000, 0xC0804000)
+E2M1_HIGH = (0x3F3F3F00, 0x40404040)
+E2M1_HIGH_NEG = (0xBFBFBF80, 0xC0C0C0C0)
+BF16X2_2P120 = 0x7B807B80  # (2^120, 2^120): undoes the 2^-120 of the E4M3 bit placement
+BF16X2_NEG_ZERO = 0x80008000  # fma addend that leaves x·y (and its sign of zero) unchanged
+
+# One 32-bit word of 8 E2M1 nibbles (dims 8k..8k+7, element 2i in the low nibble of byte i) and
+# a bf16x2 pair (s, s) → four bf16x2 words of value·s (exact: ≤ 6 significant bits, DESIGN §4).
+# Per 4 nibbles: the magnitude codes index the low-byte and high-byte tables, the sign (bit 3)
+# picks the negative high byte (selector nibble i or 4 + i), two byte interleaves finish.
+E2M1_PTX = f"""{{
+.reg .b32 c, ch, t, sl, sh, lb, hp, hn, hb, y, nz, l0, l1, h0, h1, n0, n1;
+mov.b32 l0, {E2M1_LOW[0]:#x};
+mov.b32 l1, {E2M1_LOW[1]:#x};
+mov.b32 h0, {E2M1_HIGH[0]:#x};
+mov.b32 h1, {E2M1_HIGH[1]:#x};
+mov.b32 n0, {E2M1_HIGH_NEG[0]:#x};
+mov.b32 n1, {E2M1_HIGH_NEG[1]:#x};
+mov.b32 nz, {BF16X2_NEG_ZERO:#x};
+and.b32 c, $4, 0x77777777;
+shr.u32 ch, c, 16;
+shr.u32 t, $4, 1;
+and.b32 t, t, 0x44444444;
+or.b32 sl, t, 0x32103210;
+shr.u32 sh, sl, 16;
+prmt.b32 lb, l0, l1, c;
+prmt.b32 hp, h0, h1, c;
+prmt.b32 hn, n0, n1, c;
+prmt.b32 hb, hp, hn, sl;
+prmt.b32 y, lb, hb, 0x5140;
+fma.rn.bf16x2 $0, y, $5, nz;
+prmt.b32 y, lb, hb, 0x7362;
+fma.rn.bf16x2 $1, y, $5, nz;
+prmt.b32 lb, l0, l1, ch;
+prmt.b32 hp, h0, h1, ch;
+prmt.b32 hn, n0, n1, ch;
+prmt.b32 hb, hp, hn, sh;
+prmt.b32 y, lb, hb, 0x5140;
+fma.rn.bf16x2 $2, y, $5, nz;
+prmt.b32 y, lb, hb, 0x7362;
+fma.rn.bf16x2 $3, y, $5, nz;
+}}"""
+
+
+def _e4m3_lanes(dst: str, src: str) -> str:
+    """PTX lines: two E4M3 bytes (one per 16-bit lane of `src`) → bf16x2 of value·2^-120 and then
+    value (fma by 2^120). magnitude << 4 puts the exponent and mantissa into bf16's fields, so
+    E4M3 subnormals land on bf16 subnormals (exact; bf16 fma keeps subnormals); the sign moves to
+    bit 15; the NaN code (magnitude 0x7F) becomes a bf16 NaN (0x7FC0 or-ed in)."""
+    return f"""and.b32 m, {src}, 0x007F007F;
+shl.b32 r, m, 4;
+and.b32 s, {src}, 0x00800080;
+shl.b32 s, s, 8;
+or.b32 r, r, s;
+add.u32 s, m, 0x00010001;
+and.b32 s, s, 0x00800080;
+shr.u32 s, s, 7;
+mul.lo.u32 s, s, 0x7FC0;
+or.b32 r, r, s;
+fma.rn.bf16x2 {dst}, r, p120, nz;
+"""
+
+
+_E4M3_PRELUDE = f""".reg .b32 m, r, s, z, x, v, p120, nz;
+mov.b32 z, 0;
+mov.b32 p120, {BF16X2_2P120:#x};
+mov.b32 nz, {BF16X2_NEG_ZERO:#x};
+"""
+
+# Four E4M3 scale bytes → four bf16x2 pairs (s_i, s_i), one per 16-dim group.
+E4M3_SCALES_PTX = (
+    "{\n"
+    + _E4M3_PRELUDE
+    + "prmt.b32 x, $4, z, 0x4140;\n"
+    + _e4m3_lanes("v", "x")
+    + "prmt.b32 $0, v, v, 0x1010;\nprmt.b32 $1, v, v, 0x3232;\n"
+    + "prmt.b32 x, $4, z, 0x4342;\n"
+    + _e4m3_lanes("v", "x")
+    + "prmt.b32 $2, v, v, 0x1010;\nprmt.b32 $3, v, v, 0x3232;\n}"
+)
+
+# Four E4M3 window bytes (dims 4j..4j+3) and a bf16x2 UE8M0 factor pair → two bf16x2 words.
+E4M3_PTX = (
+    "{\n"
+    + _E4M3_PRELUDE
+    + "prmt.b32 x, $2, z, 0x4140;\n"
+    + _e4m3_lanes("v", "x")
+    + "fma.rn.bf16x2 $0, v, $3, nz;\n"
+    + "prmt.b32 x, $2, z, 0x4342;\n"
+    + _e4m3_lanes("v", "x")
+    + "fma.rn.bf16x2 $1, v, $3, nz;\n}"
+)
+
+# Two UE8M0 bytes (the low 16 bits of $2) → two bf16x2 factor pairs of 2^(E−127): the exponent
+# field E itself; 0xFF (NaN) → NaN; 0x00 (2^-127, never written by `pack`; a zeroed −1 slot
+# has it) → 0.
+UE8M0_PTX = """{
+.reg .b32 e, f;
+.reg .pred nan;
+and.b32 e, $2, 0xFF;
+shl.b32 f, e, 7;
+setp.eq.u32 nan, e, 255;
+selp.b32 f, 0x7FC0, f, nan;
+shl.b32 e, f, 16;
+or.b32 $0, f, e;
+shr.u32 e, $2, 8;
+and.b32 e, e, 0xFF;
+shl.b32 f, e, 7;
+setp.eq.u32 nan, e, 255;
+selp.b32 f, 0x7FC0, f, nan;
+shl.b32 e, f, 16;
+or.b32 $1, f, e;
+}"""
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Knobs of the Mosaic GPU kernel.
+
+    Args:
+      dequant: 'ptx' decodes with inline PTX (the GPU path); 'jnp' gathers and unpacks with
+        `v41jax.quant.unpack` inside the kernel (the only one interpret mode can run).
+      prefetch: load the packed rows of the next top-k chunk while this one computes. Off by
+        default: on the H200 (2026-11-29) it cost 1.6 µs at batch 64 and 2.7 µs at 128,
+        presumably through its 18 extra live registers (ptxas already reported 255 registers
+        and 152 bytes of spills with it).
+      splits: CTAs per (query, 64 heads), each over a contiguous share of the key chunks, their
+        partial outputs merged by log-sum-exp in XLA (split-KV, as flash-decoding). None: as
+        many as keep every SM busy (number of SMs // (B · head groups), at most 4), so a batch
+        of 64 queries still fills the 132 SMs of an H200; 1 on CPU.
+    """
+
+    dequant: str = "ptx"
+    prefetch: bool = False
+    splits: int | None = None
+
+    def __post_init__(self):
+        if self.dequant not in ("ptx", "jnp"):
+            raise ValueError(f"dequant: expected 'ptx' or 'jnp', got {self.dequant!r}")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"splits: expected None or >= 1, got {self.splits}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inline Mosaic GPU: per-thread gather and decode.
+
+
+def _i32(value: int) -> ir.Value:
+    return arith.constant(ir.IntegerType.get_signless(32), value)
+
+
+def _i64(value: int) -> ir.Value:
+    return arith.constant(ir.IntegerType.get_signless(64), value)
+
+
+def _thread_in_warpgroup() -> tuple[ir.Value, ir.Value]:
+    """(thread index within the warpgroup, warpgroup index), both i32."""
+    tid = mgpu_utils.thread_idx()
+    return arith.remui(tid, _i32(WARPGROUP)), arith.divui(tid, _i32(WARPGROUP))
+
+
+def _row_slot(slots: ir.Value, row: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(valid, clamped row) of the chunk's slot `row`: −1 means skip, row 0 is read instead."""
+    slot = memref.load(slots, [arith.index_cast(ir.IndexType.get(), row)])
+    valid = arith.cmpi(arith.CmpIPredicate.sge, slot, _i32(0))
+    return valid, arith.select(valid, slot, _i32(0))
+
+
+def _global_address(rows: ir.Value, row: ir.Value, row_bytes: int) -> ir.Value:
+    """i64 address of byte 0 of `row` in the GMEM memref `rows` [n, row_bytes]."""
+    base = llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu_utils.memref_ptr(rows))
+    offset = arith.muli(arith.extui(ir.IntegerType.get_signless(64), row), _i64(row_bytes))
+    return arith.addi(base, offset)
+
+
+def _load_words(address: ir.Value, offset: int, n_words: int, align: int = 16) -> list[ir.Value]:
+    """`n_words` consecutive 32-bit words at address + offset (`.nc`: the packed rows are
+    read-only for the kernel's lifetime), in vector loads as wide as `align` bytes allows: a
+    window row of D = 256 is 264 bytes, so its odd rows are only 8-byte aligned."""
+    i32 = ir.IntegerType.get_signless(32)
+    width = min(n_words, align // 4)
+    words = []
+    for first in range(0, n_words, width):
+        at = arith.addi(address, _i64(offset + 4 * first))
+        if width == 1:
+            ptx = "ld.global.nc.u32 $0, [$1];"
+            words.append(mgpu_utils.inline_ptx(ptx, at, result_types=i32))
+            continue
+        regs = ", ".join(f"${i}" for i in range(width))
+        ptx = f"ld.global.nc.v{width}.u32 {{{regs}}}, [${width}];"
+        words += mgpu_utils.inline_ptx(ptx, at, result_types=[i32] * width)
+    return words
+
+
+def _store_chunk(
+    dst_base: ir.Value, row: ir.Value, tile: ir.Value, tiles: int, chunk: int, words
+) -> None:
+    """16-byte store of 8 bf16 (dims 8·chunk.. of 64-column tile `tile`, row `row`) into a
+    [64, n·64] bf16 buffer with (8, 64) tiling and 128-byte swizzle: tiles of 8 rows × 128 B are
+    contiguous, and within one the 16-byte chunk index is XORed with the row (mod 8)."""
+    r = arith.andi(row, _i32(7))
+    tile_index = arith.addi(arith.muli(arith.shrui(row, _i32(3)), _i32(tiles)), tile)
+    tile_offset = arith.shli(tile_index, _i32(10))
+    within = arith.addi(arith.shli(r, _i32(7)), arith.shli(arith.xori(r, _i32(chunk)), _i32(4)))
+    address = arith.addi(dst_base, arith.addi(tile_offset, within))
+    mgpu_utils.inline_ptx(
+        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", address, *words, has_side_effects=True
+    )
+
+
+def _smem_address(ref: ir.Value) -> ir.Value:
+    return llvm.ptrtoint(ir.IntegerType.get_signless(32), mgpu_utils.memref_ptr(ref))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static sizes of one call: latent dim, bytes per packed row of each format."""
+
+    dim: int
+    kv_row_bytes: int
+    window_row_bytes: int
+
+    @property
+    def half(self) -> int:  # dims per warpgroup
+        return self.dim // 2
+
+    @property
+    def tiles(self) -> int:  # 64-column tiles per warpgroup half
+        return self.half // 64
+
+    @property
+    def pieces(self) -> int:  # 64-dim pieces of one chunk per thread: 64·tiles / 128
+        return self.half // 128
+
+    @property
+    def fp4_words(self) -> int:  # raw words per thread per chunk: 8 nibble words + 1 scale word
+        return 9 * self.pieces
+
+
+def _thread_piece(tid: ir.Value, piece: int) -> tuple[ir.Value, ir.Value]:
+    """(row, tile) of a thread's `piece`: thread t owns row t mod 64 and tiles t//64 + 2·piece,
+    so the 8 threads of a store phase hit 8 rows, hence 8 distinct swizzled banks."""
+    row = arith.andi(tid, _i32(63))
+    tile = arith.addi(arith.shrui(tid, _i32(6)), _i32(2 * piece))
+    return row, tile
+
+
+def _fp4_load(geometry: _Geometry, kv_rows: ir.Value, slots: ir.Value) -> list[ir.Value]:
+    """This thread's raw NVFP4 words of one chunk: per piece 8 words of E2M1 nibbles (64 dims)
+    and 1 word of E4M3 scales; all zero for a −1 slot."""
+    tid, wg = _thread_in_warpgroup()
+    g = geometry
+    row, _ = _thread_piece(tid, 0)
+    valid, safe = _row_slot(slots, row)
+    address = _global_address(kv_rows, safe, g.kv_row_bytes)
+    zero = _i32(0)
+    words = []
+    for piece in range(g.pieces):
+        _, tile = _thread_piece(tid, piece)
+        # Nibbles of dims [wg·D/2 + 64·tile, +64) start at byte wg·D/4 + 32·tile; the four
+        # scales at D/2 + wg·D/32 + 4·tile.
+        nib = arith.addi(arith.muli(wg, _i32(g.half // 2)), arith.muli(tile, _i32(32)))
+        sc = arith.addi(arith.muli(wg, _i32(g.half // 16)), arith.muli(tile, _i32(4)))
+        nib_address = arith.addi(address, arith.extui(ir.IntegerType.get_signless(64), nib))
+        sc_address = arith.addi(address, arith.extui(ir.IntegerType.get_signless(64), sc))
+        piece_words = _load_words(nib_address, 0, 8)  # rows of 9D/16 bytes: 16-aligned
+        piece_words += _load_words(sc_address, g.dim // 2, 1)
+        words += [arith.select(valid, w, zero) for w in piece_words]
+    return words
+
+
+def _fp4_decode_store(geometry: _Geometry, words: list[ir.Value], dst: ir.Value) -> None:
+    """Decodes `_fp4_load`'s words and stores them as bf16 into the swizzled tile `dst`."""
+    i32 = ir.IntegerType.get_signless(32)
+    tid, _ = _thread_in_warpgroup()
+    dst_base = _smem_address(dst)
+    # A wgmma is awaited per warp, but every warp's share of it reads the whole tile: wait for
+    # all four warps before overwriting the previous chunk.
+    mgpu_utils.warpgroup_barrier()
+    for piece in range(geometry.pieces):
+        row, tile = _thread_piece(tid, piece)
+        nibbles, scales = words[9 * piece : 9 * piece + 8], words[9 * piece + 8]
+        pairs = mgpu_utils.inline_ptx(E4M3_SCALES_PTX, scales, result_types=[i32] * 4)
+        for k, word in enumerate(nibbles):
+            out = mgpu_utils.inline_ptx(E2M1_PTX, word, pairs[k // 2], result_types=[i32] * 4)
+            _store_chunk(dst_base, row, tile, geometry.tiles, k, out)
+
+
+def _fp8_load_decode_store(
+    geometry: _Geometry, win_rows: ir.Value, slots: ir.Value, dst: ir.Value
+) -> None:
+    """Gathers, decodes (E4M3 × UE8M0) and stores this thread's share of a window chunk: per
+    piece 64 E4M3 bytes and the 2 UE8M0 bytes of its two 32-dim groups; zeros for a −1 slot."""
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    tid, wg = _thread_in_warpgroup()
+    g = geometry
+    row, _ = _thread_piece(tid, 0)
+    valid, safe = _row_slot(slots, row)
+    address = _global_address(win_rows, safe, g.window_row_bytes)
+    zero = _i32(0)
+    pieces = []
+    for piece in range(g.pieces):  # all loads first: their latencies overlap
+        _, tile = _thread_piece(tid, piece)
+        data = arith.addi(arith.muli(wg, _i32(g.half)), arith.muli(tile, _i32(64)))
+        sc = arith.addi(arith.muli(wg, _i32(g.half // 32)), arith.muli(tile, _i32(2)))
+        data_address = arith.addi(address, arith.extui(i64, data))
+        raw = _load_words(data_address, 0, 16, align=math.gcd(g.window_row_bytes, 16))
+        # The 2 scale bytes sit at an even offset: load the aligned word holding them.
+        sc_address = arith.addi(address, arith.extui(i64, arith.andi(sc, _i32(~3))))
+        (sc_word,) = _load_words(sc_address, g.dim, 1)
+        sc_word = arith.shrui(sc_word, arith.shli(arith.andi(sc, _i32(3)), _i32(3)))
+        pieces.append([arith.select(valid, w, zero) for w in [*raw, sc_word]])
+    dst_base = _smem_address(dst)
+    mgpu_utils.warpgroup_barrier()  # see `_fp4_decode_store`
+    for piece, words in enumerate(pieces):
+        row, tile = _thread_piece(tid, piece)
+        factors = mgpu_utils.inline_ptx(UE8M0_PTX, words[16], result_types=[i32] * 2)
+        for k in range(8):  # 16-byte output chunk k: dims 8k..8k+7 = raw words 2k, 2k+1
+            out = []
+            for word in words[2 * k : 2 * k + 2]:
+                out += mgpu_utils.inline_ptx(
+                    E4M3_PTX, word, factors[k // 4], result_types=[i32] * 2
+                )
+            _store_chunk(dst_base, row, tile, g.tiles, k, out)
+
+
+def _raw_layout(geometry: _Geometry) -> plgpu.SomeLayout:
+    n = geometry.fp4_words
+    return plgpu.Layout.WG_STRIDED((WARPGROUP * n,), vec_size=n)
+
+
+def _pack_raw(words: list[ir.Value], geometry: _Geometry) -> mgpu.FragmentedArray:
+    i32 = ir.IntegerType.get_signless(32)
+    vec = vector.from_elements(ir.VectorType.get((len(words),), i32), words)
+    registers = np.empty((1,), dtype=object)
+    registers[0] = vec
+    return mgpu.FragmentedArray(
+        _registers=registers, _layout=_raw_layout(geometry).to_mgpu(), _is_signed=True
+    )
+
+
+def _unpack_raw(raw: mgpu.FragmentedArray) -> list[ir.Value]:
+    vec = raw.registers.flat[0]
+    n = ir.VectorType(vec.type).shape[0]
+    return [vector.extract(vec, dynamic_position=[], static_position=[i]) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The dequant step, behind one interface for both paths: `load(rows, slots)` returns the raw data
+# to carry (the prefetch), `store(raw, dst, rows, slots)` writes the bf16 tile of this
+# warpgroup's half of a top-k chunk, `window(rows, slots, dst)` does both for a window chunk.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dequant:
+    load: Callable[..., jax.Array]
+    store: Callable[..., None]
+    window: Callable[..., None]
+
+
+def _ptx_dequant(geometry: _Geometry) -> _Dequant:
+    raw_type = plgpu.ShapeDtypeStruct(
+        (WARPGROUP * geometry.fp4_words,), jnp.int32, layout=_raw_layout(geometry)
+    )
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=raw_type)
+    def load(ctx, kv_rows, slots):
+        del ctx
+        return _pack_raw(_fp4_load(geometry, kv_rows, slots), geometry)
+
+    @plgpu.inline_mgpu(arg_types=(_raw_layout(geometry), plgpu.RefType(_TILE)))
+    def store_raw(ctx, raw, dst):
+        del ctx
+        _fp4_decode_store(geometry, _unpack_raw(raw), dst)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_TILE)))
+    def window(ctx, win_rows, slots, dst):
+        del ctx
+        _fp8_load_decode_store(geometry, win_rows, slots, dst)
+
+    return _Dequant(load, lambda raw, dst, rows, slots: store_raw(raw, dst), window)
+
+
+def _jnp_dequant(geometry: _Geometry) -> _Dequant:
+    """The interpret-mode stand-in: gather whole rows and unpack them with `quant.unpack`."""
+
+    def decode(rows_ref, slots_ref, dst_ref, fmt):
+        slots = slots_ref[...]
+        rows = jnp.take(rows_ref[...], jnp.maximum(slots, 0), axis=0)
+        values = jnp.where(slots[:, None] >= 0, quant.unpack(rows, fmt, geometry.dim), 0.0)
+        half = lax.dynamic_slice_in_dim(
+            values, lax.axis_index("wg") * geometry.half, geometry.half, axis=1
+        )
+        dst_ref[...] = half.astype(jnp.bfloat16)
+
+    return _Dequant(
+        load=lambda rows, slots: jnp.zeros((WARPGROUP * geometry.fp4_words,), jnp.int32),
+        store=lambda raw, dst, rows, slots: decode(rows, slots, dst, "nvfp4"),
+        window=lambda rows, slots, dst: decode(rows, slots, dst, "fp8"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+
+
+def _kernel(
+    q_ref,
+    kv_ref,
+    win_ref,
+    slots_ref,
+    sink_ref,
+    o_ref,
+    lse_ref,
+    q_smem,
+    k_smem,
+    s_smem,
+    slots_smem,
+    sink_smem,
+    lse_smem,
+    load_barriers,
+    exchange_barrier,
+    p_smem=None,
+    *,
+    geometry: _Geometry,
+    n_window_chunks: int,
+    n_topk_chunks: int,
+    splits: int,
+    logit_scale: float,
+    dequant,
+    prefetch: bool,
+    interpret: bool,
+):
+    b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    half = geometry.half
+    heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
+    q_bar, slots_bar, sink_bar = (load_barriers.at[3 * wg + i] for i in range(3))
+    plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
+    plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem.at[wg], slots_bar)
+    plgpu.copy_gmem_to_smem(sink_ref.at[split, heads], sink_smem.at[wg], sink_bar)
+    plgpu.barrier_wait(slots_bar)
+    plgpu.barrier_wait(sink_bar)
+    plgpu.barrier_wait(q_bar)
+
+    kv_rows, win_rows = kv_ref.at[b], win_ref.at[b]
+    dst = k_smem.at[wg]
+
+    def chunk_slots(chunk):
+        return slots_smem.at[wg, chunk]
+
+    # The sink opens the running max and sum: an empty row then gives acc = 0 and l = 1 (or
+    # l = 0 for a −inf sink, guarded at the end), never NaN. Only split 0 has the sink (the
+    # others get −inf, so l starts at 0).
+    sink = plgpu.load(sink_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    m0 = jnp.maximum(sink, -1e30)
+    denom0 = jnp.exp2(sink - m0)
+    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
+
+    def attend(chunk, parity, carry):
+        """QK^T, the logit exchange, the online softmax and PV for the chunk now in `dst`."""
+        acc, m, denom = carry
+        plgpu.commit_smem()  # the tile was written by ordinary stores; wgmma reads it async
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem.at[wg], dst.T)
+            return acc_ref[...]
+
+        s_own = pl.run_scoped(qk, plgpu.ACC((BLOCK_HEADS, BLOCK_KV), jnp.float32))
+        # Two buffers by chunk parity: a warpgroup rewrites its buffer only after both passed
+        # the next chunk's barrier, i.e. after the other one read it.
+        s_smem[parity, wg] = s_own
+        plgpu.barrier_arrive(exchange_barrier)
+        plgpu.barrier_wait(exchange_barrier)
+        s_other = plgpu.load(s_smem.at[parity, 1 - wg], layout=plgpu.Layout.WGMMA)
+        s = s_own + s_other  # a + b == b + a: both warpgroups get the same logits
+        slots = plgpu.load(chunk_slots(chunk), layout=plgpu.Layout.WGMMA.reduce(0))
+        valid = lax.broadcast_in_dim(slots >= 0, s.shape, [1])
+        s = jnp.where(valid, s * logit_scale, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        denom = denom * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        p16 = p.astype(jnp.bfloat16)
+        if interpret:
+            # The interpreter runs neither `run_state` nor a wgmma with A in registers: stage P
+            # in shared memory and add a fresh product instead.
+            p_smem[wg] = p16
+            plgpu.commit_smem()
+
+            def pv_fresh(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem.at[wg], dst)
+                return acc_ref[...]
+
+            return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32)), m_new, denom
+
+        def pv(acc_ref):  # accumulates onto acc in place; run_state awaits it on exit
+            plgpu.wgmma(acc_ref, p16, dst)
+
+        return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, denom
+
+    def window_step(c, carry):
+        dequant.window(win_rows, chunk_slots(c), dst)
+        acc, m, denom, raw = carry
+        return (*attend(c, c % 2, (acc, m, denom)), raw)
+
+    # This split's chunks [lo, hi) of the window-then-top-k list, as a window range and a top-k
+    # range; consecutive chunks alternate parity across the two loops.
+    n_chunks = n_window_chunks + n_topk_chunks
+    lo, hi = split * n_chunks // splits, (split + 1) * n_chunks // splits
+    w_lo, w_hi = jnp.minimum(lo, n_window_chunks), jnp.minimum(hi, n_window_chunks)
+    k_lo = jnp.maximum(lo, n_window_chunks) - n_window_chunks
+    k_hi = jnp.maximum(hi, n_window_chunks) - n_window_chunks
+
+    def topk_step(c, carry):
+        acc, m, denom, raw = carry
+        chunk = n_window_chunks + c
+        if prefetch:
+            nxt = n_window_chunks + jnp.minimum(c + 1, k_hi - 1)
+            raw_next = dequant.load(kv_rows, chunk_slots(nxt))
+        else:
+            raw = raw_next = dequant.load(kv_rows, chunk_slots(chunk))
+        dequant.store(raw, dst, kv_rows, chunk_slots(chunk))
+        return (*attend(chunk, chunk % 2, (acc, m, denom)), raw_next)
+
+    first = n_window_chunks + jnp.minimum(k_lo, n_topk_chunks - 1)  # always a real chunk
+    carry = (acc0, m0, denom0, dequant.load(kv_rows, chunk_slots(first)))
+    carry = lax.fori_loop(w_lo, w_hi, window_step, carry)
+    acc, m, denom, _ = lax.fori_loop(k_lo, k_hi, topk_step, carry)
+
+    out = acc / lax.broadcast_in_dim(jnp.where(denom > 0, denom, 1.0), acc.shape, [0])
+    q_smem[wg] = out.astype(jnp.bfloat16)  # q is no longer read: reuse its buffer
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        q_smem.at[wg], o_ref.at[b, split, heads, pl.ds(wg * half, half)], commit_group=False
+    )
+    if splits > 1:  # the combine weighs the splits by their log2-sum-exp (both wgs hold it)
+
+        @pl.when(wg == 0)
+        def _():
+            lse_smem[...] = m + jnp.log2(denom)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, heads], commit_group=False)
+
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _pad_chunks(slots: jax.Array) -> jax.Array:
+    """[B, n] slots padded with −1 to whole chunks of BLOCK_KV."""
+    extra = _round_up(slots.shape[1], BLOCK_KV) - slots.shape[1]
+    return jnp.pad(slots, ((0, 0), (0, extra)), constant_values=-1)
+
+
+def fp4_sparse_attention_mgpu(
+    q: jax.Array,
+    kv_packed: jax.Array,
+    indices: jax.Array,
+    window_packed: jax.Array,
+    window_valid: jax.Array,
+    sink: jax.Array,
+    *,
+    kv_fmt: str = "nvfp4",
+    window_fmt: str = "fp8",
+    scale: float | None = None,
+    config: TuningConfig = TuningConfig(),
+    interpret: bool = False,
+) -> jax.Array:
+    """Mosaic GPU forward of `fp4_sparse_attention_reference` (validated arguments).
+
+    Args:
+      q: [B, H, D] queries, any float dtype (cast to bf16).
+      kv_packed: [B, S, D/2 + D/16] uint8 NVFP4 rows of each query's compressed cache.
+      indices: [B, K] int32 rows of kv_packed; −1 (any value outside [0, S)) skips the slot.
+      window_packed: [B, W, D + D/32] uint8 FP8 window rows.
+      window_valid: [B, W] bool.
+      sink: [H] float32 sink logits.
+      kv_fmt, window_fmt: 'nvfp4' and 'fp8' (the only formats this kernel decodes).
+      scale: logit scale, a Python float (default D^-0.5).
+      config: `TuningConfig`.
+      interpret: run on CPU through Mosaic GPU interpret mode (forces dequant='jnp').
+
+    Returns:
+      [B, H, D] bfloat16.
+    """
+    if (kv_fmt, window_fmt) != ("nvfp4", "fp8"):
+        raise ValueError(
+            f"kv_fmt, window_fmt: the Mosaic GPU kernel decodes ('nvfp4', 'fp8'), "
+            f"got {(kv_fmt, window_fmt)!r}"
+        )
+    batch, n_heads, dim = q.shape
+    if dim % 256 or dim > 512:
+        raise ValueError(f"q: expected D in (256, 512) for the Mosaic GPU kernel, got D = {dim}")
+    dequant_kind = "jnp" if interpret else config.dequant
+    geometry = _Geometry(
+        dim, quant.packed_row_bytes("nvfp4", dim), quant.packed_row_bytes("fp8", dim)
+    )
+    scale = dim**-0.5 if scale is None else scale
+    n_kv, n_window, n_topk = kv_packed.shape[1], window_packed.shape[1], indices.shape[1]
+
+    heads = _round_up(max(n_heads, 1), BLOCK_HEADS)
+    q = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, heads - n_heads), (0, 0)))
+    sink = jnp.pad(sink.astype(jnp.float32) * _LOG2E, (0, heads - n_heads), constant_values=-1e30)
+    # Slots: the row of each key slot in its own array, −1 to skip; padded to whole chunks.
+    window_slots = jnp.where(window_valid, jnp.arange(n_window, dtype=jnp.int32), -1)
+    topk_slots = jnp.where((indices >= 0) & (indices < n_kv), indices, -1).astype(jnp.int32)
+    if n_topk == 0:  # one empty chunk keeps the top-k loop (and its prefetch) non-empty
+        topk_slots = jnp.full((batch, BLOCK_KV), -1, jnp.int32)
+    # [B, chunks, 64]: a TMA box spans at most 256 elements per dimension.
+    slots = jnp.concatenate([_pad_chunks(window_slots), _pad_chunks(topk_slots)], axis=1)
+    slots = slots.reshape(batch, -1, BLOCK_KV)
+    n_window_chunks = _round_up(n_window, BLOCK_KV) // BLOCK_KV
+    n_topk_chunks = _round_up(topk_slots.shape[1], BLOCK_KV) // BLOCK_KV
+    splits = config.splits
+    if splits is None:
+        n_sms = 1 if interpret else getattr(jax.devices()[0], "core_count", 1)
+        splits = max(1, min(4, n_sms // (batch * heads // BLOCK_HEADS)))
+    splits = min(splits, n_window_chunks + n_topk_chunks)
+    # The sink belongs to split 0; −inf elsewhere starts those splits with an empty sum.
+    sink = jnp.stack([sink] + [jnp.full_like(sink, -jnp.inf)] * (splits - 1))
+    # A clamped −1 slot still reads row 0: give empty arrays one zero row.
+    if n_kv == 0:
+        kv_packed = jnp.zeros((batch, 1, geometry.kv_row_bytes), jnp.uint8)
+    if n_window == 0:
+        window_packed = jnp.zeros((batch, 1, geometry.window_row_bytes), jnp.uint8)
+
+    dequant = _ptx_dequant(geometry) if dequant_kind == "ptx" else _jnp_dequant(geometry)
+    kernel = functools.partial(
+        _kernel,
+        geometry=geometry,
+        n_window_chunks=n_window_chunks,
+        n_topk_chunks=n_topk_chunks,
+        splits=splits,
+        logit_scale=scale * _LOG2E,
+        dequant=dequant,
+        prefetch=config.prefetch,
+        interpret=interpret,
+    )
+    half = geometry.half
+    n_chunks = slots.shape[1]
+    out, lse = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((batch, splits, heads, dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
+        ),
+        grid=(batch, heads // BLOCK_HEADS, splits),
+        grid_names=("b", "g", "split"),
+        num_threads=2,
+        thread_name="wg",
+        scratch_types=[
+            plgpu.SMEM((2, BLOCK_HEADS, half), jnp.bfloat16, transforms=_TILE),
+            plgpu.SMEM((2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
+            plgpu.SMEM((2, 2, BLOCK_HEADS, BLOCK_KV), jnp.float32, transforms=_F32_TILE),
+            plgpu.SMEM((2, n_chunks, BLOCK_KV), jnp.int32),
+            plgpu.SMEM((2, BLOCK_HEADS), jnp.float32),
+            plgpu.SMEM((BLOCK_HEADS,), jnp.float32),
+            plgpu.Barrier(num_barriers=6),
+            plgpu.Barrier(num_arrivals=2),
+            *([plgpu.SMEM((2, BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=_TILE)] * interpret),
+        ],
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(q, kv_packed, window_packed, slots, sink)
+    if splits > 1:
+        out = _combine_splits(out, lse)
+    return out[:, 0, :n_heads]
+
+
+def _combine_splits(
+    out: Float[Array, "batch split head dim"], lse: Float[Array, "batch split head"]
+) -> Float[Array, "batch 1 head dim"]:
+    """Merges split-KV partial outputs (each normalized by its own sum) by their log2-sum-exp;
+    a split without any key has −inf and weight 0; all −inf (an empty row, no sink) gives 0."""
+    top = jnp.max(lse, axis=1, keepdims=True)
+    weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))
+    total = jnp.sum(weight, axis=1, keepdims=True)
+    weight = weight / jnp.where(total > 0, total, 1.0)
+    merged = jnp.einsum("bsh,bshd->bhd", weight, out.astype(jnp.float32))
+    return merged[:, None].astype(out.dtype)

@@ -1,0 +1,291 @@
+"""FP4-dequant sparse attention kernels against their reference (DESIGN §6, kernel 2).
+
+One parameterized base runs every implementation of `fp4_sparse_attention` against
+`fp4_sparse_attention_reference` on fresh random data: on CPU the Pallas kernels run in interpret
+mode at small sizes (outputs start as NaN there, so an unwritten element fails), on a GPU
+(`-m gpu`) at the real V4.1 size, 64 heads × 512. The inline-PTX decode of the Mosaic GPU kernel
+cannot run on CPU; its PTX programs are executed here instruction by instruction in numpy and
+checked bit for bit against `quant.unpack`.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_attention import api, sparse_attention_mgpu
+from pallas_kernels.sparse_attention.reference import (
+    bf16_cache_attention,
+    fp4_sparse_attention_reference,
+    unpacked_caches,
+)
+from v41jax import quant
+
+ON_GPU = jax.default_backend() == "gpu"
+KERNELS = ("pallas_mgpu", "pallas_triton")
+
+
+_pack = jax.jit(quant.pack, static_argnums=1)
+_reference = jax.jit(fp4_sparse_attention_reference)
+
+
+def make_case(seed, batch, heads, dim, n_kv, topk, window, *, empty_row=False, dtype=jnp.bfloat16):
+    """Random q and caches packed from normals with per-row magnitudes spread over 2^±2 (logits of
+    a few units: a softmax neither flat nor one-hot), indices with −1 holes, out-of-range values
+    and duplicates, ~75% valid window slots."""
+    rng = np.random.default_rng(seed)
+
+    def packed(n, fmt):
+        if not n:
+            return jnp.zeros((batch, 0, quant.packed_row_bytes(fmt, dim)), jnp.uint8)
+        rows = rng.normal(size=(batch, n, dim)) * 2.0 ** rng.uniform(-2, 2, (batch, n, 1))
+        return _pack(jnp.asarray(rows, jnp.float32), fmt)
+
+    q = jnp.asarray(rng.normal(size=(batch, heads, dim)), dtype)
+    kv, win = packed(n_kv, "nvfp4"), packed(window, "fp8")
+    indices = rng.integers(-1, n_kv, (batch, topk))
+    if topk >= 3:
+        indices[:, 1] = indices[:, 0]  # a duplicate counts twice
+        indices[:, 2] = n_kv + 5  # out of range: skipped like −1
+    valid = rng.random((batch, window)) < 0.75
+    if empty_row:
+        indices[0], valid[0] = -1, False
+    sink = jnp.asarray(rng.normal(size=(heads,)), jnp.float32)
+    return q, kv, jnp.asarray(indices, jnp.int32), win, jnp.asarray(valid), sink
+
+
+CPU_CASES = {
+    # chunks not full: 40 window slots, 70 selected of 100 rows; 3 heads (padded to 64)
+    "ragged": dict(batch=2, heads=3, dim=256, n_kv=100, topk=70, window=40),
+    # one head; query 0 has no valid key at all → zeros
+    "empty_row": dict(batch=2, heads=1, dim=256, n_kv=5, topk=10, window=3, empty_row=True),
+    "no_window": dict(batch=1, heads=2, dim=256, n_kv=64, topk=64, window=0),
+    "no_topk": dict(batch=1, heads=2, dim=256, n_kv=7, topk=0, window=64),
+    "dim512": dict(batch=1, heads=2, dim=512, n_kv=80, topk=65, window=64),
+}
+GPU_CASES = {
+    "v41": dict(batch=4, heads=64, dim=512, n_kv=4096, topk=512, window=128),
+    # two head groups; a ragged top-k; 3 heads with an empty row
+    "v41_128_heads": dict(batch=3, heads=128, dim=512, n_kv=1000, topk=300, window=128),
+    "v41_3_heads": dict(batch=5, heads=3, dim=512, n_kv=777, topk=512, window=100, empty_row=True),
+}
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def check_against_reference(case, implementation, *, interpret):
+    """The implementation's output against the float32 reference on the same inputs: bf16 q for
+    the kernels (their operand type; the reference widens it exactly), float32 q for 'xla'."""
+    spec = dict(case)
+    if implementation == "xla":
+        spec["dtype"] = jnp.float32
+    args = make_case(0, **spec)
+    attend = jax.jit(
+        functools.partial(
+            api.fp4_sparse_attention, implementation=implementation, interpret=interpret
+        )
+    )
+    out = attend(*args)
+    ref = _reference(*args)
+    assert out.shape == ref.shape and out.dtype == args[0].dtype
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    # bf16 probabilities and output with fp32 accumulation: ~3e-3 in practice.
+    tolerance = 1e-6 if implementation == "xla" else 1e-2
+    assert rel_err(out, ref) <= tolerance
+    if spec.get("empty_row"):
+        assert np.all(np.asarray(out[0]) == 0)
+    return attend, args, out
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+@pytest.mark.parametrize("implementation", ("xla", *KERNELS))
+def test_matches_reference_small(implementation, case):
+    """Edge cases at small sizes: interpreted on CPU, compiled on a GPU."""
+    check_against_reference(CPU_CASES[case], implementation, interpret=not ON_GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_matches_reference_gpu(implementation, case):
+    attend, args, out = check_against_reference(GPU_CASES[case], implementation, interpret=False)
+    again = attend(*args)  # deterministic: the same bits twice
+    np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))
+
+
+@pytest.mark.parametrize("splits", (2, 3))
+def test_split_kv_matches_reference(splits):
+    """Split-KV: CTAs over shares of the chunks, merged by log-sum-exp (the sink in split 0)."""
+    for case in ("ragged", "empty_row"):
+        args = make_case(7, **CPU_CASES[case])
+        config = api.Config(mgpu=sparse_attention_mgpu.TuningConfig(splits=splits))
+        out = api.fp4_sparse_attention(
+            *args, implementation="pallas_mgpu", config=config, interpret=not ON_GPU
+        )
+        assert rel_err(out, _reference(*args)) <= 1e-2
+        if case == "empty_row":
+            assert np.all(np.asarray(out[0]) == 0)
+
+
+@pytest.mark.parametrize("implementation", ("xla", *KERNELS))
+def test_vjp_is_the_reference_vjp(implementation):
+    q, kv, indices, win, valid, sink = make_case(1, **CPU_CASES["ragged"], dtype=jnp.float32)
+    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
+    attend = functools.partial(
+        api.fp4_sparse_attention, implementation=implementation, interpret=not ON_GPU
+    )
+    _, vjp = jax.vjp(lambda q, s: attend(q, kv, indices, win, valid, s), q, sink)
+    _, vjp_ref = jax.vjp(
+        lambda q, s: fp4_sparse_attention_reference(q, kv, indices, win, valid, s), q, sink
+    )
+    for got, want in zip(vjp(cotangent), vjp_ref(cotangent), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_cache_baseline_matches_reference():
+    q, kv, indices, win, valid, sink = make_case(3, **CPU_CASES["ragged"])
+    kv_bf16, win_bf16 = unpacked_caches(kv, win, q.shape[-1])
+    out = bf16_cache_attention(q, kv_bf16, indices, win_bf16, valid, sink)
+    assert rel_err(out, fp4_sparse_attention_reference(q, kv, indices, win, valid, sink)) < 1e-2
+
+
+def test_errors_name_the_argument():
+    q, kv, indices, win, valid, sink = make_case(4, **CPU_CASES["ragged"])
+    with pytest.raises(ValueError, match="kv_packed"):
+        api.fp4_sparse_attention(q, kv[..., :-1], indices, win, valid, sink)
+    with pytest.raises(ValueError, match="sink"):
+        api.fp4_sparse_attention(q, kv, indices, win, valid, sink[:1])
+    with pytest.raises(ValueError, match="implementation"):
+        api.fp4_sparse_attention(q, kv, indices, win, valid, sink, implementation="cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Mosaic GPU kernel's PTX programs, executed in numpy.
+
+
+def _prmt(a, b, selector):
+    """PTX prmt.b32 (default mode): byte i of the result is byte (selector nibble i) of b:a,
+    or that byte's sign replicated when the nibble's bit 3 is set."""
+    pool = (b.astype(np.uint64) << 32) | a.astype(np.uint64)
+    out = np.zeros(np.broadcast(a, b, selector).shape, np.uint64)
+    for i in range(4):
+        nibble = (selector.astype(np.uint64) >> np.uint64(4 * i)) & np.uint64(0xF)
+        byte = (pool >> (np.uint64(8) * (nibble & np.uint64(7)))) & np.uint64(0xFF)
+        byte = np.where(nibble & np.uint64(8), np.where(byte & np.uint64(0x80), 0xFF, 0), byte)
+        out |= byte.astype(np.uint64) << np.uint64(8 * i)
+    return out.astype(np.uint32)
+
+
+def _bf16x2_fma(a, b, c):
+    """PTX fma.rn.bf16x2 lane by lane: exact products in float64, rounded to bf16 (subnormals
+    kept, as the hardware does for bf16)."""
+    lanes = lambda x: [
+        ((x >> shift) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+        for shift in (0, 16)
+    ]
+    out = np.zeros(np.broadcast(a, b, c).shape, np.uint32)
+    for shift, x, y, z in zip((0, 16), lanes(a), lanes(b), lanes(c), strict=True):
+        with np.errstate(over="ignore"):  # ±inf, as the hardware rounds
+            value = (x * y + z).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+        out |= value << shift
+    return out
+
+
+_OPS = {
+    "mov.b32": lambda a: a,
+    "and.b32": lambda a, b: a & b,
+    "or.b32": lambda a, b: a | b,
+    "shr.u32": lambda a, b: a >> b,
+    "shl.b32": lambda a, b: a << b,
+    "add.u32": lambda a, b: a + b,
+    "mul.lo.u32": lambda a, b: a * b,
+    "prmt.b32": _prmt,
+    "fma.rn.bf16x2": _bf16x2_fma,
+    "setp.eq.u32": lambda a, b: a == b,
+    "selp.b32": lambda a, b, p: np.where(p, a, b),
+}
+
+
+def run_ptx(program: str, n_out: int, *inputs: np.ndarray) -> list[np.ndarray]:
+    """Executes a straight-line PTX program ($0.. outputs, then inputs) on uint32 arrays."""
+    env = {f"${n_out + i}": np.asarray(x, np.uint32) for i, x in enumerate(inputs)}
+
+    def value(operand):
+        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", operand):
+            return np.uint32(int(operand, 0) & 0xFFFFFFFF)
+        return env[operand]
+
+    for statement in program.replace("{", "").replace("}", "").split(";"):
+        statement = statement.strip()
+        if not statement or statement.startswith(".reg"):
+            continue
+        op, operands = statement.split(None, 1)
+        dest, *sources = (o.strip() for o in operands.split(","))
+        result = _OPS[op](*(value(s) for s in sources))
+        env[dest] = result if result.dtype == bool else np.asarray(result).astype(np.uint32)
+    return [env[f"${i}"] for i in range(n_out)]
+
+
+def _words(rows: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(rows).view("<u4")
+
+
+def _bf16(words: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(words).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def assert_same_values(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_ptx_nvfp4_decode_is_bit_exact():
+    """E4M3_SCALES_PTX + E2M1_PTX on packed rows (every nibble and scale byte, NaN scales too)
+    equal `quant.unpack`, the sign of zero included."""
+    dim, rng = 512, np.random.default_rng(5)
+    rows = rng.integers(0, 256, (512, quant.packed_row_bytes("nvfp4", dim)), dtype=np.uint8)
+    rows[:256, dim // 2] = np.arange(256)  # every E4M3 scale byte, 0x7F/0xFF (NaN) included
+    values = np.asarray(quant.pack(jnp.asarray(rng.normal(size=(64, dim)) * 1e3), "nvfp4"))
+    rows[-64:] = values
+    nibbles, scales = _words(rows[:, : dim // 2]), _words(rows[:, dim // 2 :])
+    pairs = np.stack(run_ptx(sparse_attention_mgpu.E4M3_SCALES_PTX, 4, scales), -1)
+    got = []
+    for k in range(dim // 8):  # word k: dims 8k..8k+7, scale of group 16 → pair k // 2
+        got += run_ptx(
+            sparse_attention_mgpu.E2M1_PTX, 4, nibbles[:, k], pairs[:, k // 8, k % 8 // 2]
+        )
+    got = _bf16(np.stack(got, -1))
+    assert_same_values(got, quant.unpack(rows, "nvfp4", dim))
+
+
+def test_ptx_fp8_window_decode_is_bit_exact():
+    """UE8M0_PTX + E4M3_PTX on window rows (every E4M3 byte, NaN codes, scale 0xFF) equal
+    `quant.unpack`. Scale bytes start at 10: below, products fall under bf16's normal range
+    (`pack` writes E >= 105, its 1e-4 amax floor), and byte 0 decodes to zero by design."""
+    dim, rng = 256, np.random.default_rng(6)
+    rows = rng.integers(0, 256, (256, quant.packed_row_bytes("fp8", dim)), dtype=np.uint8)
+    rows[:, :256] = np.arange(256)[None, :]  # every element byte in every row
+    rows[:, dim:] = np.clip(rows[:, dim:], 10, 255)
+    rows[:8, dim] = 0xFF
+    data, scales = _words(rows[:, :dim]), rows[:, dim:]
+    got = []
+    for piece in range(dim // 64):  # a thread's piece: 64 dims, 2 scale bytes
+        pair = (
+            scales[:, 2 * piece].astype(np.uint32) | scales[:, 2 * piece + 1].astype(np.uint32) << 8
+        )
+        factors = run_ptx(sparse_attention_mgpu.UE8M0_PTX, 2, pair)
+        for j in range(16):
+            word = data[:, 16 * piece + j]
+            got += run_ptx(sparse_attention_mgpu.E4M3_PTX, 2, word, factors[j // 8])
+    got = _bf16(np.stack(got, -1))
+    assert_same_values(got, quant.unpack(rows, "fp8", dim))

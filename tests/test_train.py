@@ -1,0 +1,148 @@
+"""Training: the indexer KL loss reaches only the indexer, runs survive interruption."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from v41jax import train
+
+# Small enough to compile and run in seconds on 2 CPU cores; the pool (2 blocks of 8) still bites.
+SMOKE = train.TrainConfig(
+    steps=6,
+    batch_size=2,
+    eval_every=3,
+    eval_batches=1,
+    checkpoint_every=3,
+    dense_warmup_steps=2,
+    task_overrides=(("seq_len", 64), ("n_pairs", 4), ("n_queries", 2)),
+    candidate_topk_blocks=2,
+    index_topk=8,
+)
+
+
+def _batch(cfg, step=0):
+    b = cfg.make_task().batch_at(cfg.seed, step, cfg.batch_size)
+    return jnp.asarray(b.tokens), jnp.asarray(b.targets), jnp.asarray(b.loss_mask)
+
+
+def _is_indexer(path) -> bool:
+    return any("indexer" in str(p) for p in path)
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_indexer_kl_reaches_only_the_indexer_and_task_loss_never_does(dense):
+    model, _ = train.build(SMOKE)
+    tokens, targets, mask = _batch(SMOKE)
+
+    def task_loss(m):
+        return train.loss_fn(m, tokens, targets, mask, dense=dense, indexer_kl_weight=0.0)[1][
+            "task_loss"
+        ]
+
+    def kl_loss(m):
+        return train.loss_fn(m, tokens, targets, mask, dense=dense, indexer_kl_weight=1.0)[1][
+            "indexer_kl"
+        ]
+
+    for loss, reaches_indexer in ((task_loss, False), (kl_loss, True)):
+        grads = nnx.grad(loss)(model)
+        leaves = jax.tree_util.tree_leaves_with_path(grads)
+        indexer = [float(jnp.abs(g).max()) for p, g in leaves if _is_indexer(p)]
+        others = [float(jnp.abs(g).max()) for p, g in leaves if not _is_indexer(p)]
+        assert indexer and others
+        if reaches_indexer:
+            assert max(indexer) > 0 and max(others) == 0
+        else:
+            assert max(indexer) == 0 and max(others) > 0
+
+
+def test_kl_loss_is_zero_when_the_indexer_matches_the_attention():
+    from v41jax.attention import indexer_kl
+
+    rng = np.random.default_rng(0)
+    probs = jnp.asarray(rng.random((3, 2, 5)), jnp.float32)  # [rows, heads, keys]
+    mask = jnp.asarray([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], bool)
+    target = jnp.where(mask, probs.sum(1), 0.0)
+    scores = jnp.log(jnp.where(mask, target, 1.0))  # log-softmax over the mask = log target
+    kl, rows = indexer_kl(scores, probs, mask)
+    assert float(rows) == 2 and abs(float(kl)) < 1e-6
+    kl_off, _ = indexer_kl(jnp.zeros_like(scores), probs, mask)
+    assert float(kl_off) > 0.01
+
+
+def test_train_step_updates_parameters_and_reports_metrics():
+    model, optimizer = train.build(SMOKE)
+    before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    for step in range(2):  # the learning rate warms up from 0: step 0 changes nothing
+        metrics = train.train_step(
+            model, optimizer, *_batch(SMOKE, step), dense=False, indexer_kl_weight=1.0
+        )
+    assert set(metrics) >= {"loss", "task_loss", "indexer_kl", "accuracy", "grad_norm"}
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+    after = nnx.state(model, nnx.Param)
+    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, after)
+    assert all(jax.tree.leaves(changed))
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    full = train.run(SMOKE, tmp_path / "full", progress=False, log_every=1)
+    train.run(SMOKE, tmp_path / "cut", progress=False, log_every=1, stop_after=3)
+    assert not (tmp_path / "cut" / "checkpoints" / "6").exists()
+    resumed = train.run(SMOKE, tmp_path / "cut", progress=False, log_every=1, resume=True)
+    assert resumed == {**full, "train_seconds": resumed["train_seconds"]}
+    assert train.read_metrics(tmp_path / "cut" / "metrics.jsonl") == train.read_metrics(
+        tmp_path / "full" / "metrics.jsonl"
+    )
+    assert (tmp_path / "full" / "training.png").stat().st_size > 10_000
+
+
+def test_run_directory_is_never_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = SMOKE.replace(steps=3)
+    train.run(cfg, run_dir, progress=False)
+    snapshot = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(train.RunDirectoryError, match="already holds a run"):
+        train.run(cfg, run_dir, progress=False)
+    with pytest.raises(train.RunDirectoryError, match=r"another config.*learning_rate"):
+        train.run(cfg.replace(learning_rate=1e-4), run_dir, progress=False, resume=True)
+    # Damage the newest checkpoint's array data: the resume must fail clearly and change nothing.
+    for f in (run_dir / "checkpoints" / "3").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and f.suffix not in (".json",):
+            f.write_bytes(b"\0garbage" * 4)
+    damaged = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(train.RunDirectoryError, match="could not be restored"):
+        train.run(cfg, run_dir, progress=False, resume=True)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == damaged
+    assert snapshot.keys() == damaged.keys()
+
+
+def test_ctrl_c_saves_a_checkpoint(tmp_path, monkeypatch):
+    real_step = train.train_step
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(SMOKE, tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "checkpoints" / "1").exists()
+
+
+def test_bad_train_config_names_the_field():
+    with pytest.raises(ValueError, match=r"TrainConfig\.steps"):
+        SMOKE.replace(steps=0)
+    with pytest.raises(ValueError, match=r"TrainConfig\.attention"):
+        SMOKE.replace(attention="full")
+    with pytest.raises(ValueError, match=r"ModelConfig\.kv_format"):
+        SMOKE.replace(kv_format="fp4")
+    with pytest.raises(ValueError, match="seq_len"):
+        SMOKE.replace(task_overrides=(("seq_len", 4),))
+    assert train.TrainConfig.from_json(json.loads(json.dumps(SMOKE.to_json()))) == SMOKE

@@ -1,0 +1,149 @@
+"""Evaluation: task accuracy and the indexer's selection quality, per Reindex layer (DESIGN §7).
+
+For every Reindex layer restricted to the candidate pool, with U its unrestricted top-k (the
+indexer's own picks over all visible positions), S its actual selection inside the pool P, and A
+the layer's dense attention over the compressed positions (summed over heads, renormalized):
+  - pool recall |U ∩ P| / |U|, over queries that see more positions than the pool holds, for
+    the trained pool and three baselines: random blocks, the most recent blocks, and oracle
+    blocks (the pool rule applied to A itself: the best any block pool can do for this layer);
+  - within-pool recall |S ∩ U| / |U| (same queries);
+  - attention mass covered by S and by P (Σ A over them);
+  - pool recall by distance bucket (t − s).
+Task accuracy is split by evidence distance (`tasks.Batch.evidence`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from v41jax import diagnostics
+from v41jax.config import ModelConfig
+from v41jax.model import Model
+from v41jax.pool import select_candidate_blocks
+
+BASELINES = ("random", "recent", "oracle")
+
+
+def distance_edges(config: ModelConfig) -> tuple[int, ...]:
+    """Bucket edges for distances: inside the window, inside one pool's span, beyond (the
+    window and pool sizes, ascending; one edge when they are equal)."""
+    return tuple(sorted({config.window_size, config.candidate_pool_size}))
+
+
+def _pool(config: ModelConfig, scores, lens) -> jax.Array:
+    return select_candidate_blocks(
+        scores,
+        lens,
+        config.candidate_topk_blocks,
+        config.candidate_block_size,
+        reduce=config.block_score,
+    ).mask
+
+
+@nnx.jit(static_argnames=("dense",))
+def _eval_batch(model: Model, tokens, targets, loss_mask, evidence, key, *, dense: bool):
+    c = model.config
+    logits, trace = model.run(tokens, dense=dense, diagnostics=True, indexer_loss=True)
+    mask = loss_mask.astype(jnp.float32)
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
+    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+    seq = tokens.shape[1]
+    distance = jnp.arange(seq) - evidence
+    bucket = jnp.searchsorted(jnp.asarray(distance_edges(c)), distance, side="right")
+    n_buckets = len(distance_edges(c)) + 1
+    in_bucket = (bucket[..., None] == jnp.arange(n_buckets)) & loss_mask[..., None]
+    out = {
+        "task_loss": (jnp.sum(ce * mask), jnp.sum(mask)),
+        "accuracy": (jnp.sum(correct * mask), jnp.sum(mask)),
+        "accuracy_by_distance": (
+            jnp.sum(correct[..., None] * in_bucket, axis=(0, 1)),
+            jnp.sum(in_bucket, axis=(0, 1)).astype(jnp.float32),
+        ),
+    }
+    kls = [
+        t.aux["indexer_kl"] / jnp.maximum(t.aux["indexer_kl_rows"], 1.0)
+        for t in trace
+        if "indexer_kl" in t.aux
+    ]
+    if kls:
+        out["indexer_kl"] = (jnp.sum(jnp.stack(kls)), jnp.asarray(float(len(kls))))
+    if dense or c.candidate_source_layer is None:
+        return out
+
+    pool = trace[c.candidate_source_layer].shared.pool.mask
+    for plan, step in zip(c.layers, trace, strict=True):
+        if not plan.uses_candidates:
+            continue
+        lens = jnp.broadcast_to((jnp.arange(seq) + 1) // plan.compress_ratio, tokens.shape)
+        n_pos = pool.shape[-1]
+        # The layer's dense attention over its compressed positions, with its own queries.
+        dense_probs = step.aux["dense_probs"]
+        unrestricted = step.aux["unrestricted_topk"]
+        selected = step.shared.topk
+        beyond = lens > c.candidate_pool_size
+        key, sub = jax.random.split(key)
+        visible = jnp.arange(n_pos) < lens[..., None]
+        pools = {
+            "": pool,
+            "_random": _pool(
+                c, jnp.where(visible, jax.random.uniform(sub, pool.shape), -jnp.inf), lens
+            ),
+            "_recent": _pool(
+                c, jnp.where(visible, jnp.arange(n_pos, dtype=jnp.float32), -jnp.inf), lens
+            ),
+            "_oracle": _pool(c, jnp.where(visible, dense_probs, -jnp.inf), lens),
+        }
+        name = f"layer{plan.layer}"
+        for suffix, p in pools.items():
+            recall = diagnostics.candidate_pool_recall(unrestricted, p, lens, c.candidate_pool_size)
+            out[f"{name}/pool_recall{suffix}"] = (recall.value * recall.count, recall.count)
+        within = diagnostics.within_pool_recall(selected, unrestricted, beyond)
+        out[f"{name}/within_pool_recall"] = (within.value * within.count, within.count)
+        covered = diagnostics.attention_mass_covered(dense_probs, selected)
+        pool_mass = jnp.sum(jnp.where(pool, dense_probs, 0.0), -1)
+        n_beyond = jnp.sum(beyond).astype(jnp.float32)
+        out[f"{name}/mass_selected"] = (jnp.sum(jnp.where(beyond, covered, 0.0)), n_beyond)
+        out[f"{name}/mass_pool"] = (jnp.sum(jnp.where(beyond, pool_mass, 0.0)), n_beyond)
+        hit = diagnostics.in_mask(unrestricted, pool)
+        by_distance = diagnostics.recall_by_distance(
+            hit, unrestricted, lens - 1, distance_edges(c), beyond
+        )
+        out[f"{name}/pool_recall_by_distance"] = (
+            by_distance.value * by_distance.count,
+            by_distance.count,
+        )
+    return out
+
+
+def evaluate(model: Model, task, *, seed: int, batches: int, batch_size: int, dense: bool) -> dict:
+    """Mean metrics over `batches` batches of `task` drawn from `seed` (use a seed that training
+    never uses). Values are floats, or lists for per-bucket metrics (buckets of
+    `distance_edges`); None where nothing was counted."""
+    totals: dict[str, list] = {}
+    key = jax.random.key(seed)
+    for i in range(batches):
+        b = task.batch_at(seed, i, batch_size)
+        key, sub = jax.random.split(key)
+        out = _eval_batch(
+            model,
+            jnp.asarray(b.tokens),
+            jnp.asarray(b.targets),
+            jnp.asarray(b.loss_mask),
+            jnp.asarray(b.evidence),
+            sub,
+            dense=dense,
+        )
+        for name, (total, count) in jax.device_get(out).items():
+            acc = totals.setdefault(name, [0.0, 0.0])
+            acc[0] = acc[0] + np.asarray(total, np.float64)
+            acc[1] = acc[1] + np.asarray(count, np.float64)
+    result = {}
+    for name, (total, count) in totals.items():
+        # None (JSON null) where nothing was counted, e.g. an empty distance bucket.
+        value = np.where(count > 0, total / np.maximum(count, 1), np.nan).tolist()
+        nan_to_none = lambda v: None if v != v else v
+        result[name] = [nan_to_none(v) for v in value] if np.ndim(count) else nan_to_none(value)
+    return result

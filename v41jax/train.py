@@ -1,0 +1,464 @@
+"""Training with training-aware candidate pools, QAT and the indexer KL loss (DESIGN §7).
+
+Loss = task cross-entropy on the scored positions + `indexer_kl_weight` · the indexers' KL loss
+(`attention.indexer_kl`: target = the main attention over the keys the layer attended to, summed
+over heads, detached; the indexer reads its inputs through `stop_gradient`, so only indexer
+parameters receive this loss and nothing else does; the task loss cannot reach the indexer,
+whose output is an integer selection).
+
+Stages:
+  1. dense warm-up (`dense_warmup_steps`): every layer attends to all visible compressed entries
+     while the indexers learn the dense attention distribution (KL over all visible keys);
+  2. sparse: the real selection — candidate pool at the candidate source, top-k inside it at
+     the Reindex layers — exactly the rule used at inference (training-aware pools), with the
+     KL over each layer's own selection.
+The formats of the config (main KV, index keys, window) are fake-quantized in every forward pass
+with straight-through gradients: QAT is the default; train with `kv_format='f32'` (or 'bf16')
+and evaluate with another format for post-training quantization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from v41jax import config as config_lib
+from v41jax import tasks as tasks_lib
+from v41jax.model import Model
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Validated on construction.
+
+    Args:
+      preset: model preset (`config.PRESETS`).
+      task: task name (`tasks.make_task`); `task_overrides` change its fields.
+      steps: optimizer steps.
+      batch_size: sequences per step.
+      learning_rate: peak AdamW learning rate (linear warm-up, then cosine decay to 10 %).
+      lr_warmup_steps: steps of linear learning-rate warm-up.
+      weight_decay: AdamW weight decay.
+      grad_clip: global gradient-norm clip.
+      attention: 'sparse' (the pool and top-k after the dense warm-up) or 'dense' (every layer
+        attends to all visible compressed entries for the whole run: the baseline).
+      dense_warmup_steps: steps of stage 1 (ignored when attention='dense').
+      indexer_kl_weight: weight of the indexer KL loss (0 disables it).
+      kv_format, index_format, window_format, block_score: override the preset's (None keeps it).
+      candidate_topk_blocks, index_topk: override the preset's pool size and top-k.
+      seed: parameter init and data seed; step k's batch depends only on (seed, k).
+      eval_every: steps between evaluations (and at the end).
+      eval_batches: batches per evaluation (drawn from a seed disjoint from training's).
+      checkpoint_every: steps between checkpoints (and at the end).
+      keep_checkpoints: checkpoints kept on disk.
+    """
+
+    preset: str = "tiny"
+    task: str = "mqar"
+    task_overrides: tuple[tuple[str, Any], ...] = ()
+    steps: int = 600
+    batch_size: int = 16
+    learning_rate: float = 3e-3
+    lr_warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    attention: str = "sparse"
+    dense_warmup_steps: int = 100
+    indexer_kl_weight: float = 1.0
+    kv_format: str | None = None
+    index_format: str | None = None
+    window_format: str | None = None
+    block_score: str | None = None
+    candidate_topk_blocks: int | None = None
+    index_topk: int | None = None
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+
+    def __post_init__(self):
+        object.__setattr__(self, "task_overrides", tuple(tuple(kv) for kv in self.task_overrides))
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TrainConfig.{name}: expected a positive int, got {value!r}")
+        for name in ("lr_warmup_steps", "dense_warmup_steps", "keep_checkpoints"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainConfig.{name}: expected an int >= 0, got {value!r}")
+        if self.attention not in ("sparse", "dense"):
+            raise ValueError(
+                f"TrainConfig.attention: expected 'sparse' or 'dense', got {self.attention!r}"
+            )
+        for name in ("learning_rate", "indexer_kl_weight", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"TrainConfig.{name}: expected a finite number >= 0, got {value}")
+        self.model_config()  # validates the preset and the overrides
+        self.make_task()
+
+    def replace(self, **changes) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def make_task(self) -> tasks_lib.RetrievalTask:
+        return tasks_lib.make_task(self.task, **dict(self.task_overrides))
+
+    def model_config(self) -> config_lib.ModelConfig:
+        overrides = {
+            name: getattr(self, name)
+            for name in (
+                "kv_format",
+                "index_format",
+                "window_format",
+                "block_score",
+                "candidate_topk_blocks",
+                "index_topk",
+            )
+            if getattr(self, name) is not None
+        }
+        return config_lib.preset(self.preset).replace(**overrides)
+
+    def dense_at(self, step: int) -> bool:
+        """Whether step `step` (0-based) attends densely."""
+        return self.attention == "dense" or step < self.dense_warmup_steps
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> TrainConfig:
+        return cls(**data)
+
+
+def make_optimizer(model: Model, cfg: TrainConfig) -> nnx.Optimizer:
+    """AdamW with linear warm-up and cosine decay, global-norm clipping; over `nnx.Param`s."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.lr_warmup_steps,
+        decay_steps=max(cfg.steps, cfg.lr_warmup_steps + 1),
+        end_value=cfg.learning_rate * 0.1,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, weight_decay=cfg.weight_decay),
+    )
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def loss_fn(
+    model: Model,
+    tokens: jax.Array,
+    targets: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    dense: bool,
+    indexer_kl_weight: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Task cross-entropy on the scored positions + weighted mean indexer KL over index sources.
+
+    Returns (loss, metrics) with metrics 'loss', 'task_loss', 'indexer_kl', 'accuracy'.
+    """
+    logits, trace = model.run(tokens, dense=dense, indexer_loss=indexer_kl_weight > 0)
+    mask = loss_mask.astype(jnp.float32)
+    n_scored = jnp.maximum(mask.sum(), 1.0)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    task_loss = jnp.sum(ce * mask) / n_scored
+    accuracy = jnp.sum((jnp.argmax(logits, -1) == targets) * mask) / n_scored
+    kls = [
+        t.aux["indexer_kl"] / jnp.maximum(t.aux["indexer_kl_rows"], 1.0)
+        for t in trace
+        if "indexer_kl" in t.aux
+    ]
+    indexer_kl = jnp.mean(jnp.stack(kls)) if kls else jnp.zeros(())
+    loss = task_loss + indexer_kl_weight * indexer_kl
+    metrics = {
+        "loss": loss,
+        "task_loss": task_loss,
+        "indexer_kl": indexer_kl,
+        "accuracy": accuracy,
+    }
+    return loss, metrics
+
+
+@nnx.jit(static_argnames=("dense", "indexer_kl_weight"))
+def train_step(
+    model: Model,
+    optimizer: nnx.Optimizer,
+    tokens: jax.Array,
+    targets: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    dense: bool,
+    indexer_kl_weight: float,
+) -> dict[str, jax.Array]:
+    """One optimizer step; returns the step's metrics (before the update)."""
+
+    def loss(m):
+        return loss_fn(
+            m, tokens, targets, loss_mask, dense=dense, indexer_kl_weight=indexer_kl_weight
+        )
+
+    (_, metrics), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    optimizer.update(model, grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return metrics
+
+
+def batches(task: tasks_lib.RetrievalTask, seed: int, start: int, batch_size: int) -> Iterator:
+    """Training batches from step `start` on; batch k depends only on (seed, k), so a resumed run
+    sees exactly the data of an uninterrupted one."""
+    step = start
+    while True:
+        yield task.batch_at(seed, step, batch_size)
+        step += 1
+
+
+def build(cfg: TrainConfig) -> tuple[Model, nnx.Optimizer]:
+    """A freshly initialized model (from `cfg.seed`) and its optimizer."""
+    model = Model(cfg.model_config(), rngs=nnx.Rngs(cfg.seed))
+    return model, make_optimizer(model, cfg)
+
+
+def metrics_to_json(metrics: dict) -> dict:
+    """Device scalars → Python floats (for metrics.jsonl)."""
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def dump_jsonl(path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _np(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+# --- runs that survive: run directory, checkpoints, resume, Ctrl-C ---
+
+EVAL_SEED_OFFSET = 1_000_003  # evaluation batches come from a seed training never uses
+
+
+class RunDirectoryError(ValueError):
+    """The run directory cannot be used as asked (exists, mismatched config, bad checkpoint)."""
+
+
+def _checkpoint_manager(run_dir: Path, keep: int):
+    import orbax.checkpoint as ocp  # heavy import, only where checkpoints are used
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1), create=True)
+    return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options)
+
+
+def _save(manager, step: int, model: Model, optimizer: nnx.Optimizer) -> None:
+    import orbax.checkpoint as ocp
+
+    state = {
+        "model": nnx.to_pure_dict(nnx.state(model)),
+        "opt": nnx.to_pure_dict(nnx.state(optimizer)),
+    }
+    manager.save(step, args=ocp.args.StandardSave(state), force=True)
+    manager.wait_until_finished()
+
+
+def _restore(manager, step: int, model: Model, optimizer: nnx.Optimizer) -> None:
+    import orbax.checkpoint as ocp
+
+    model_state, opt_state = nnx.state(model), nnx.state(optimizer)
+    target = {"model": nnx.to_pure_dict(model_state), "opt": nnx.to_pure_dict(opt_state)}
+    try:
+        restored = manager.restore(step, args=ocp.args.StandardRestore(target))
+    except Exception as err:  # orbax raises many types for a damaged or foreign checkpoint
+        raise RunDirectoryError(
+            f"checkpoint {step} in {manager.directory} could not be restored "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            "nothing in the run directory was changed. Remove that step's folder to fall back "
+            "to an older checkpoint, or start a new run in another directory."
+        ) from err
+    nnx.replace_by_pure_dict(model_state, restored["model"])
+    nnx.replace_by_pure_dict(opt_state, restored["opt"])
+    nnx.update(model, model_state)
+    nnx.update(optimizer, opt_state)
+
+
+def _prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> None:
+    config_path = run_dir / "config.json"
+    if config_path.exists():
+        if not resume:
+            raise RunDirectoryError(
+                f"run directory {run_dir} already holds a run; pass resume=True (--resume) to "
+                "continue it, or choose another directory"
+            )
+        saved = json.loads(config_path.read_text())
+        current = json.loads(json.dumps(cfg.to_json()))
+        if saved != current:
+            diff = {
+                k: (saved.get(k), current.get(k)) for k in current if saved.get(k) != current[k]
+            }
+            raise RunDirectoryError(
+                f"run directory {run_dir} was trained with another config; differing fields "
+                f"(saved, requested): {diff}"
+            )
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(json.dumps(cfg.to_json(), indent=2))
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records after `step`: a resumed run rewrites them exactly."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def run(
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+    log_every: int = 10,
+) -> dict:
+    """Trains `cfg` in `run_dir` (config.json, metrics.jsonl, checkpoints/, training.png).
+
+    Resuming continues from the latest checkpoint and reproduces the uninterrupted run's metrics
+    (batches depend only on (seed, step)). Ctrl-C saves a checkpoint before exiting. An existing
+    run directory is never overwritten: without `resume` it is an error, and a resume with
+    another config or from a damaged checkpoint raises `RunDirectoryError` before touching it.
+
+    Args:
+      cfg: the run's configuration.
+      run_dir: its directory (created).
+      resume: continue the run in `run_dir`.
+      progress: show a progress bar.
+      stop_after: stop (with a checkpoint) after this many steps, as an interruption would.
+      log_every: steps between training-metric records.
+
+    Returns:
+      the final evaluation (see `evaluate.evaluate`) plus 'step' and 'train_seconds'.
+    """
+    from tqdm.auto import tqdm
+
+    from v41jax import evaluate as evaluate_lib
+
+    run_dir = Path(run_dir)
+    _prepare_run_dir(run_dir, cfg, resume)
+    metrics_path = run_dir / "metrics.jsonl"
+    model, optimizer = build(cfg)
+    task = cfg.make_task()
+    manager = _checkpoint_manager(run_dir, cfg.keep_checkpoints)
+    start = 0
+    if resume and manager.latest_step() is not None:
+        start = manager.latest_step()
+        _restore(manager, start, model, optimizer)
+    _truncate_metrics(metrics_path, start)
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+
+    def evaluate(step: int) -> dict:
+        result = evaluate_lib.evaluate(
+            model,
+            task,
+            seed=cfg.seed + EVAL_SEED_OFFSET,
+            batches=cfg.eval_batches,
+            batch_size=cfg.batch_size,
+            dense=cfg.dense_at(step),
+        )
+        dump_jsonl(metrics_path, {"step": step, "split": "eval", **result})
+        return result
+
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=run_dir.name)
+    step, result, evaluated_at, clock = start, None, None, time.perf_counter()
+    try:
+        for step in range(start, end):
+            batch = task.batch_at(cfg.seed, step, cfg.batch_size)
+            metrics = train_step(
+                model,
+                optimizer,
+                jnp.asarray(batch.tokens),
+                jnp.asarray(batch.targets),
+                jnp.asarray(batch.loss_mask),
+                dense=cfg.dense_at(step),
+                indexer_kl_weight=cfg.indexer_kl_weight,
+            )
+            done = step + 1
+            if done % log_every == 0 or done == end:
+                record = metrics_to_json(metrics)
+                dump_jsonl(metrics_path, {"step": done, "split": "train", **record})
+                bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                result, evaluated_at = evaluate(done), done
+            if done % cfg.checkpoint_every == 0 or done == end:
+                _save(manager, done, model, optimizer)
+            bar.update(1)
+        step = end
+    except KeyboardInterrupt:
+        if step > start:
+            _save(manager, step, model, optimizer)
+            print(f"\ninterrupted: saved step {step} in {run_dir}; continue with resume")
+        raise
+    finally:
+        bar.close()
+        manager.close()
+    seconds = time.perf_counter() - clock
+    if evaluated_at != step:
+        result = evaluate(step)
+    plot_run(metrics_path, run_dir / "training.png")
+    return {"step": step, "train_seconds": seconds, **result}
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def plot_run(metrics_path: Path, out: Path) -> None:
+    """Training curves: task loss and accuracy (train and eval), indexer KL, pool recall."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train_rec = [r for r in records if r["split"] == "train"]
+    eval_rec = [r for r in records if r["split"] == "eval"]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    steps = [r["step"] for r in train_rec]
+    axes[0].plot(steps, [r["task_loss"] for r in train_rec], label="train")
+    axes[0].plot(
+        [r["step"] for r in eval_rec], [r["task_loss"] for r in eval_rec], "o-", label="eval"
+    )
+    axes[0].set(title="task loss", xlabel="step", yscale="log")
+    axes[1].plot(steps, [r["accuracy"] for r in train_rec], label="train")
+    axes[1].plot(
+        [r["step"] for r in eval_rec], [r["accuracy"] for r in eval_rec], "o-", label="eval"
+    )
+    axes[1].set(title="accuracy on scored positions", xlabel="step", ylim=(0, 1.02))
+    axes[2].plot(steps, [r["indexer_kl"] for r in train_rec], label="indexer KL (train)")
+    recall_keys = sorted({k for r in eval_rec for k in r if k.endswith("/pool_recall")})
+    for k in recall_keys:
+        axes[2].plot(
+            [r["step"] for r in eval_rec if k in r],
+            [r[k] for r in eval_rec if k in r],
+            "o-",
+            label=k,
+        )
+    axes[2].set(title="indexer KL and pool recall", xlabel="step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
