@@ -22,13 +22,18 @@ import jax.numpy as jnp
 from v41jax import evaluate, train
 
 SETTINGS = {
-    "mqar256_p8q8": dict(task_overrides=(("seq_len", 256), ("n_pairs", 8), ("n_queries", 8))),
+    "mqar256_p8q8": dict(
+        task="mqar", task_overrides=(("seq_len", 256), ("n_pairs", 8), ("n_queries", 8))
+    ),
     "mqar128_p8q8_pool4": dict(
+        task="mqar",
         task_overrides=(("seq_len", 128), ("n_pairs", 8), ("n_queries", 8)),
         candidate_topk_blocks=4,
         index_topk=16,
     ),
-    "mqar256_p16q8": dict(task_overrides=(("seq_len", 256), ("n_pairs", 16), ("n_queries", 8))),
+    "mqar256_p16q8": dict(
+        task="mqar", task_overrides=(("seq_len", 256), ("n_pairs", 16), ("n_queries", 8))
+    ),
     "passkey256": dict(task="passkey", task_overrides=(("seq_len", 256),)),
 }
 

@@ -50,18 +50,47 @@ def test_bytes_prints_the_seed_numbers(capsys):
     assert not missing, out
 
 
-def test_bare_command_and_alias_run_bytes(capsys):
-    expected = run(capsys, "bytes")
-    assert run(capsys) == expected
-    assert run(capsys, "report") == expected
+def test_alias_report_runs_bytes(capsys):
+    assert run(capsys, "report") == run(capsys, "bytes")
 
 
-def test_help_says_bytes_is_the_default(capsys):
+def test_bare_command_runs_train_with_its_defaults(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "_train", lambda args: seen.append(args) or 0)
+    assert cli.main([]) == 0
+    (args,) = seen
+    assert args.command == "train" and args.max_minutes == 4.0 and args.task is None
+
+
+def test_help_says_train_is_the_default(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
     assert exit_info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "bytes (report)" in out and "Without a command, runs `bytes`" in out
+    assert "bytes (report)" in out and "Without a command, runs `train`" in out
+
+
+def test_train_help_lists_the_switches(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = capsys.readouterr().out
+    for flag in (
+        "--preset",
+        "--task",
+        "--steps",
+        "--kv-format",
+        "--block-score",
+        "--seed",
+        "--out",
+    ):
+        assert flag in out
+
+
+def test_train_rejects_bad_values(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--kv-format", "fp4"])
+    assert exit_info.value.code == 2
+    assert "--kv-format" in capsys.readouterr().err
 
 
 def test_json(capsys):

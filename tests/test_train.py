@@ -12,6 +12,7 @@ from v41jax import train
 
 # Small enough to compile and run in seconds on 2 CPU cores; the pool (2 blocks of 8) still bites.
 SMOKE = train.TrainConfig(
+    task="mqar",
     steps=6,
     batch_size=2,
     eval_every=3,

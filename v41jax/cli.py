@@ -5,6 +5,8 @@ v41jax bytes --context 64K        # the indexer table at another context length
 v41jax bytes --preset tiny --per-layer
 v41jax bytes --json               # the same numbers, structured
 v41jax params                     # parameter counts: toy presets and the real V4.1-Flash stack
+v41jax train                      # the main job: train tiny() with pools + FP4 QAT (<= 5 min)
+v41jax train --task mqar --steps 2000 --kv-format mxfp4 --block-score mean --out runs/x
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from v41jax import accounting
+from v41jax import config as config_lib
 from v41jax.config import PRESETS, preset
 
 
@@ -59,6 +62,58 @@ def _params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from v41jax import train  # imports jax/flax; `bytes` stays light
+
+    overrides = dict(
+        preset=args.preset,
+        task=args.task,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        attention=args.attention,
+        seed=args.seed,
+        kv_format=args.kv_format,
+        index_format=args.index_format,
+        block_score=args.block_score,
+        task_overrides=tuple(_task_setting(s) for s in args.task_set),
+    )
+    if args.dense_warmup_steps is not None:
+        overrides["dense_warmup_steps"] = args.dense_warmup_steps
+    cfg = train.TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
+    out = args.out or _default_run_dir(cfg)
+    print(f"training {cfg.preset} on {cfg.task} for {cfg.steps} steps -> {out}")
+    print(cfg.make_task().describe())
+    try:
+        result = train.run(
+            cfg,
+            out,
+            resume=args.resume,
+            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+        )
+    except train.RunDirectoryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(train.summarize(cfg, out, result))
+    return 0
+
+
+def _task_setting(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--task-set: expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
+def _default_run_dir(cfg) -> str:
+    return os.path.join("runs", f"{cfg.preset}-{cfg.task}-{cfg.attention}-seed{cfg.seed}")
+
+
 def _param_row_order(key: str) -> tuple[int, str]:
     order = {"attention": 0, "ffn": 2, "embed_and_head": 3, "total": 4}
     return (order.get(key, 1), key)
@@ -86,14 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="v41jax",
         description="DeepSeek-V4.1's hierarchical sparse indexer and FP4 KV cache, in JAX. "
-        "Without a command, runs `bytes` with its defaults.",
+        "Without a command, runs `train` with its defaults (the main job).",
     )
     commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     bytes_parser = commands.add_parser(
         "bytes",
         aliases=["report"],
-        help="global KV bytes per token and indexer multiply-adds, computed from the config "
-        "(the default command)",
+        help="global KV bytes per token and indexer multiply-adds, computed from the config",
         description="Global KV bytes per token (main KV + indexer K), the window KV, and the "
         "indexer multiply-adds per decoded token with and without the candidate pool, all "
         "computed from the presets and the packed row layouts (DESIGN §5).",
@@ -114,8 +168,66 @@ def build_parser() -> argparse.ArgumentParser:
     )
     params_parser.add_argument("--json", action="store_true", help="print the counts as JSON")
     params_parser.set_defaults(run=_params)
-    # `train`, which becomes the default command, is added here.
+    train_parser = commands.add_parser(
+        "train",
+        help="train a toy model with training-aware candidate pools and FP4 KV QAT (default)",
+        description="Trains a preset on a retrieval task: a dense warm-up of the indexers, then "
+        "sparse training with the candidate pool and Reindex top-k exactly as at inference, the "
+        "main KV fake-quantized in its storage format (QAT). Writes config.json, metrics.jsonl, "
+        "checkpoints and training.png to the run directory, and ends with a summary: accuracy "
+        "with the pool vs dense attention, and pool recall against random, most-recent and "
+        "oracle blocks. Ctrl-C saves a checkpoint; --resume continues.",
+    )
+    defaults = _train_defaults()
+    train_parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (tiny)")
+    train_parser.add_argument("--task", choices=["mqar", "passkey"], help=f"task ({defaults.task})")
+    train_parser.add_argument(
+        "--task-set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a task field, e.g. --task-set seq_len=512 --task-set n_pairs=8",
+    )
+    train_parser.add_argument("--steps", type=int, help=f"optimizer steps ({defaults.steps})")
+    train_parser.add_argument("--batch-size", type=int, help=f"({defaults.batch_size})")
+    train_parser.add_argument(
+        "--lr", type=float, help=f"peak learning rate ({defaults.learning_rate})"
+    )
+    train_parser.add_argument(
+        "--dense-warmup-steps",
+        type=int,
+        help=f"indexer warm-up steps ({defaults.dense_warmup_steps})",
+    )
+    train_parser.add_argument(
+        "--attention",
+        choices=["sparse", "dense"],
+        help="sparse (pool + top-k) or the dense baseline",
+    )
+    train_parser.add_argument(
+        "--kv-format", choices=config_lib.KV_FORMATS[:-1], help="main KV (nvfp4)"
+    )
+    train_parser.add_argument("--index-format", choices=config_lib.INDEX_FORMATS, help="(mxfp4)")
+    train_parser.add_argument("--block-score", choices=config_lib.BLOCK_SCORES, help="(max)")
+    train_parser.add_argument("--seed", type=int, help="init and data seed (0)")
+    train_parser.add_argument(
+        "--out", help="run directory (runs/<preset>-<task>-<attention>-seed<N>)"
+    )
+    train_parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    train_parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=4.0,
+        help="stop training (with a checkpoint) after this long; --resume continues (default 4, "
+        "so the whole job fits in 5 minutes; 0 = no limit)",
+    )
+    train_parser.set_defaults(run=_train)
     return parser
+
+
+def _train_defaults():
+    from v41jax import train
+
+    return train.TrainConfig()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["bytes"])
+        args = parser.parse_args(["train"])
+    if getattr(args, "max_minutes", None) == 0:
+        args.max_minutes = None
     try:
         return args.run(args)
     except BrokenPipeError:  # `v41jax bytes | head`: stop quietly, as other commands do

@@ -65,16 +65,16 @@ class TrainConfig:
     """
 
     preset: str = "tiny"
-    task: str = "mqar"
+    task: str = "passkey"
     task_overrides: tuple[tuple[str, Any], ...] = ()
-    steps: int = 600
+    steps: int = 300
     batch_size: int = 16
     learning_rate: float = 3e-3
-    lr_warmup_steps: int = 50
+    lr_warmup_steps: int = 30
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     attention: str = "sparse"
-    dense_warmup_steps: int = 100
+    dense_warmup_steps: int = 60
     indexer_kl_weight: float = 1.0
     kv_format: str | None = None
     index_format: str | None = None
@@ -331,6 +331,7 @@ def run(
     resume: bool = False,
     progress: bool = True,
     stop_after: int | None = None,
+    max_seconds: float | None = None,
     log_every: int = 10,
 ) -> dict:
     """Trains `cfg` in `run_dir` (config.json, metrics.jsonl, checkpoints/, training.png).
@@ -346,10 +347,13 @@ def run(
       resume: continue the run in `run_dir`.
       progress: show a progress bar.
       stop_after: stop (with a checkpoint) after this many steps, as an interruption would.
+      max_seconds: stop (with a checkpoint) once training has taken this long; `resume`
+        continues from there.
       log_every: steps between training-metric records.
 
     Returns:
-      the final evaluation (see `evaluate.evaluate`) plus 'step' and 'train_seconds'.
+      the final evaluation (see `evaluate.evaluate`) plus 'step', 'train_seconds' and
+      'stopped_early' (the step or time limit ended the run before `cfg.steps`).
     """
     from tqdm.auto import tqdm
 
@@ -368,16 +372,18 @@ def run(
     _truncate_metrics(metrics_path, start)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
 
-    def evaluate(step: int) -> dict:
+    def evaluate(step: int, dense: bool | None = None) -> dict:
+        """Evaluates in the step's attention mode (recorded), or in the mode `dense` asks."""
         result = evaluate_lib.evaluate(
             model,
             task,
             seed=cfg.seed + EVAL_SEED_OFFSET,
             batches=cfg.eval_batches,
             batch_size=cfg.batch_size,
-            dense=cfg.dense_at(step),
+            dense=cfg.dense_at(step) if dense is None else dense,
         )
-        dump_jsonl(metrics_path, {"step": step, "split": "eval", **result})
+        if dense is None:
+            dump_jsonl(metrics_path, {"step": step, "split": "eval", **result})
         return result
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=run_dir.name)
@@ -401,10 +407,13 @@ def run(
                 bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 result, evaluated_at = evaluate(done), done
-            if done % cfg.checkpoint_every == 0 or done == end:
+            out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
+            if done % cfg.checkpoint_every == 0 or done == end or out_of_time:
                 _save(manager, done, model, optimizer)
             bar.update(1)
-        step = end
+            if out_of_time:
+                break
+        step = done if end > start else start
     except KeyboardInterrupt:
         if step > start:
             _save(manager, step, model, optimizer)
@@ -416,8 +425,51 @@ def run(
     seconds = time.perf_counter() - clock
     if evaluated_at != step:
         result = evaluate(step)
+    if cfg.attention == "sparse" and not cfg.dense_at(step):
+        # The same parameters with every layer attending to all visible entries: what the pool
+        # and the top-k cost this model.
+        dense = evaluate(step, dense=True)
+        result = {
+            **result,
+            "dense_accuracy": dense["accuracy"],
+            "dense_task_loss": dense["task_loss"],
+        }
     plot_run(metrics_path, run_dir / "training.png")
-    return {"step": step, "train_seconds": seconds, **result}
+    summary = {"step": step, "train_seconds": seconds, "stopped_early": step < cfg.steps, **result}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def summarize(cfg: TrainConfig, run_dir: str | Path, result: dict) -> str:
+    """A short text summary of `run`'s result: accuracy with the pool vs dense attention, pool
+    recall against the random, most-recent and oracle block baselines, where things are."""
+    lines = [
+        "",
+        f"run: {run_dir}  ({result['step']}/{cfg.steps} steps in {result['train_seconds']:.0f} s"
+        + (", stopped early: --resume continues)" if result["stopped_early"] else ")"),
+        f"task accuracy (scored positions): {result['accuracy']:.1%} with "
+        + ("dense attention" if cfg.attention == "dense" else "the candidate pool"),
+    ]
+    if "dense_accuracy" in result:
+        lines.append(
+            f"  same weights, dense attention:  {result['dense_accuracy']:.1%}  "
+            f"(gap {result['dense_accuracy'] - result['accuracy']:+.1%})"
+        )
+    layers = sorted({k.split("/")[0] for k in result if k.endswith("/pool_recall")})
+    if layers:
+        lines.append("pool recall of each Reindex layer's own top-k (queries beyond the pool):")
+        lines.append("  layer     pool   random   recent   oracle   within-pool   mass kept")
+        for layer in layers:
+            names = ("", "_random", "_recent", "_oracle")
+            cells = [result.get(f"{layer}/pool_recall{n}") for n in names]
+            cells += [
+                result.get(f"{layer}/within_pool_recall"),
+                result.get(f"{layer}/mass_selected"),
+            ]
+            text = ["   n/a" if v is None else f"{v:6.1%}" for v in cells]
+            lines.append(f"  {layer:<8} " + "   ".join(text))
+    lines.append(f"curves: {Path(run_dir) / 'training.png'}; numbers: metrics.jsonl, summary.json")
+    return "\n".join(lines)
 
 
 def read_metrics(path: str | Path) -> list[dict]:
