@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from v41jax import train
+from v41jax import evaluate, train
 
 # Small enough to compile and run in seconds on 2 CPU cores; the pool (2 blocks of 8) still bites.
 SMOKE = train.TrainConfig(
@@ -99,6 +99,20 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         tmp_path / "full" / "metrics.jsonl"
     )
     assert (tmp_path / "full" / "training.png").stat().st_size > 10_000
+    # The saved model is the trained one: it evaluates to the run's final numbers.
+    cfg, model = train.load(tmp_path / "full")
+    assert cfg == SMOKE
+    again = evaluate.evaluate(
+        model,
+        cfg.make_task(),
+        seed=cfg.seed + train.EVAL_SEED_OFFSET,
+        batches=cfg.eval_batches,
+        batch_size=cfg.batch_size,
+        dense=False,
+    )
+    assert again["task_loss"] == full["task_loss"]
+    with pytest.raises(train.RunDirectoryError, match="step: expected one of"):
+        train.load(tmp_path / "full", step=5)
 
 
 def test_run_directory_is_never_overwritten(tmp_path):

@@ -6,7 +6,8 @@ the layer's dense attention over the compressed positions (summed over heads, re
   - pool recall |U ∩ P| / |U|, over queries that see more positions than the pool holds, for
     the trained pool and three baselines: random blocks, the most recent blocks, and oracle
     blocks (the pool rule applied to A itself: the best any block pool can do for this layer);
-  - within-pool recall |S ∩ U| / |U| (same queries);
+  - within-pool recall |S ∩ U_A| / |U_A| with U_A the top-k of A (same queries): how much of
+    what the layer's dense attention would pick the selection keeps;
   - attention mass covered by S and by P (Σ A over them);
   - pool recall by distance bucket (t − s).
 Task accuracy is split by evidence distance (`tasks.Batch.evidence`).
@@ -23,6 +24,7 @@ from v41jax import diagnostics
 from v41jax.config import ModelConfig
 from v41jax.model import Model
 from v41jax.pool import select_candidate_blocks
+from v41jax.scoring import topk_indices
 
 BASELINES = ("random", "recent", "oracle")
 
@@ -100,7 +102,11 @@ def _eval_batch(model: Model, tokens, targets, loss_mask, evidence, key, *, dens
         for suffix, p in pools.items():
             recall = diagnostics.candidate_pool_recall(unrestricted, p, lens, c.candidate_pool_size)
             out[f"{name}/pool_recall{suffix}"] = (recall.value * recall.count, recall.count)
-        within = diagnostics.within_pool_recall(selected, unrestricted, beyond)
+        # Within-pool recall against the layer's own dense attention: the top-k of A that the
+        # selection keeps. (Against its unrestricted top-k it would equal the pool recall: a
+        # top-k inside the pool keeps exactly the unrestricted picks that lie in the pool.)
+        oracle_topk = topk_indices(jnp.where(visible, dense_probs, -jnp.inf), c.index_topk)
+        within = diagnostics.within_pool_recall(selected, oracle_topk, beyond)
         out[f"{name}/within_pool_recall"] = (within.value * within.count, within.count)
         covered = diagnostics.attention_mass_covered(dense_probs, selected)
         pool_mass = jnp.sum(jnp.where(pool, dense_probs, 0.0), -1)

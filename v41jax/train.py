@@ -472,21 +472,47 @@ def summarize(cfg: TrainConfig, run_dir: str | Path, result: dict) -> str:
     return "\n".join(lines)
 
 
+def load(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, Model]:
+    """The config and the model of a run directory, at checkpoint `step` (default: the latest).
+
+    Raises `RunDirectoryError` when the directory holds no run or the checkpoint is unreadable.
+    """
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise RunDirectoryError(
+            f"run_dir: expected a run directory with config.json, got {run_dir}"
+        )
+    cfg = TrainConfig.from_json(json.loads(config_path.read_text()))
+    model, optimizer = build(cfg)
+    manager = _checkpoint_manager(run_dir, cfg.keep_checkpoints)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None or step not in manager.all_steps():
+            raise RunDirectoryError(
+                f"step: expected one of the checkpoints {sorted(manager.all_steps())} in "
+                f"{run_dir}, got {step}"
+            )
+        _restore(manager, step, model, optimizer)
+    finally:
+        manager.close()
+    return cfg, model
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 def plot_run(metrics_path: Path, out: Path) -> None:
     """Training curves: task loss and accuracy (train and eval), indexer KL, pool recall."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure (no pyplot): saving it never changes the caller's matplotlib backend.
+    from matplotlib.figure import Figure
 
     records = read_metrics(metrics_path)
     train_rec = [r for r in records if r["split"] == "train"]
     eval_rec = [r for r in records if r["split"] == "eval"]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig = Figure(figsize=(14, 3.8))
+    axes = fig.subplots(1, 3)
     steps = [r["step"] for r in train_rec]
     axes[0].plot(steps, [r["task_loss"] for r in train_rec], label="train")
     axes[0].plot(
@@ -513,4 +539,3 @@ def plot_run(metrics_path: Path, out: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
