@@ -98,6 +98,12 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert train.read_metrics(tmp_path / "cut" / "metrics.jsonl") == train.read_metrics(
         tmp_path / "full" / "metrics.jsonl"
     )
+    # Resuming a finished run changes no record.
+    again_resumed = train.run(SMOKE, tmp_path / "cut", progress=False, log_every=1, resume=True)
+    assert again_resumed["accuracy"] == full["accuracy"]
+    assert train.read_metrics(tmp_path / "cut" / "metrics.jsonl") == train.read_metrics(
+        tmp_path / "full" / "metrics.jsonl"
+    )
     assert (tmp_path / "full" / "training.png").stat().st_size > 10_000
     # The saved model is the trained one: it evaluates to the run's final numbers.
     cfg, model = train.load(tmp_path / "full")

@@ -76,7 +76,7 @@ def _train(args: argparse.Namespace) -> int:
         kv_format=args.kv_format,
         index_format=args.index_format,
         block_score=args.block_score,
-        task_overrides=tuple(_task_setting(s) for s in args.task_set),
+        task_overrides=tuple(task_setting(s) for s in args.task_set),
     )
     if args.dense_warmup_steps is not None:
         overrides["dense_warmup_steps"] = args.dense_warmup_steps
@@ -100,7 +100,8 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _task_setting(text: str) -> tuple[str, object]:
+def task_setting(text: str) -> tuple[str, object]:
+    """Parses NAME=VALUE (`--task-set`); VALUE is JSON when it parses as JSON, else a string."""
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--task-set: expected NAME=VALUE, got {text!r}")
@@ -216,9 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument(
         "--max-minutes",
         type=float,
-        default=4.0,
-        help="stop training (with a checkpoint) after this long; --resume continues (default 4, "
-        "so the whole job fits in 5 minutes; 0 = no limit)",
+        default=3.5,
+        help="stop training (with a checkpoint) after this long; --resume continues (default "
+        "3.5, so the whole job, with compilation and the final evaluations, fits in 5 minutes; "
+        "0 = no limit)",
     )
     train_parser.set_defaults(run=_train)
     return parser

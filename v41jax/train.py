@@ -371,6 +371,9 @@ def run(
         _restore(manager, start, model, optimizer)
     _truncate_metrics(metrics_path, start)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    # A resumed run whose checkpoint step was already evaluated keeps that record.
+    done_evals = [r for r in read_metrics(metrics_path) if r["split"] == "eval"] if start else []
+    last_eval = next((r for r in reversed(done_evals) if r["step"] == start), None)
 
     def evaluate(step: int, dense: bool | None = None) -> dict:
         """Evaluates in the step's attention mode (recorded), or in the mode `dense` asks."""
@@ -387,7 +390,11 @@ def run(
         return result
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=run_dir.name)
-    step, result, evaluated_at, clock = start, None, None, time.perf_counter()
+    step, clock = start, time.perf_counter()
+    result, evaluated_at = None, None
+    if last_eval is not None:
+        result = {k: v for k, v in last_eval.items() if k not in ("step", "split")}
+        evaluated_at = start
     try:
         for step in range(start, end):
             batch = task.batch_at(cfg.seed, step, cfg.batch_size)
@@ -457,8 +464,13 @@ def summarize(cfg: TrainConfig, run_dir: str | Path, result: dict) -> str:
         )
     layers = sorted({k.split("/")[0] for k in result if k.endswith("/pool_recall")})
     if layers:
-        lines.append("pool recall of each Reindex layer's own top-k (queries beyond the pool):")
-        lines.append("  layer     pool   random   recent   oracle   within-pool   mass kept")
+        lines.append(
+            "pool recall of each Reindex layer's own top-k (queries beyond the pool), against "
+            "random / most-recent / oracle blocks; within-pool recall of the dense attention's "
+            "top-k; attention mass kept by the selection:"
+        )
+        headers = ("pool", "random", "recent", "oracle", "within", "mass")
+        lines.append(f"  {'layer':<8} " + "   ".join(f"{h:>6}" for h in headers))
         for layer in layers:
             names = ("", "_random", "_recent", "_oracle")
             cells = [result.get(f"{layer}/pool_recall{n}") for n in names]

@@ -1,0 +1,300 @@
+"""What the ablation scripts share: the command line, one `train.run` per (variant, seed), mean ±
+std summaries, the JSON report and the strip plots (seeds as dots, their mean as a bar).
+
+Every run goes through `v41jax.train.run` in its own run directory (`--runs-dir`, default
+`runs/<experiment>/<variant>-seed<seed>`) with `resume=True`: running a study again continues
+the runs a time limit (`--max-minutes`) cut short and re-evaluates the finished ones. The report
+is rewritten after every run, so a study cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from v41jax import config as config_lib
+from v41jax import evaluate, tasks, train
+from v41jax.cli import task_setting  # NAME=VALUE, as `v41jax train --task-set`
+from v41jax.model import Model
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_SEEDS = (0, 1, 2)
+
+# --smoke: seconds per run on 2 CPU cores, compile time dominating. Short sequences, a pool of 2
+# blocks of 8 (16 positions) that still bites, no dense warm-up (one train step less to compile).
+SMOKE_TRAIN = dict(
+    steps=2,
+    batch_size=2,
+    lr_warmup_steps=1,
+    dense_warmup_steps=0,
+    eval_every=2,
+    eval_batches=1,
+    checkpoint_every=2,
+    candidate_topk_blocks=2,
+    index_topk=8,
+)
+SMOKE_TASK = {
+    "mqar": (("seq_len", 64), ("n_pairs", 4), ("n_queries", 2)),
+    "passkey": (("seq_len", 64), ("n_digits", 3)),
+}
+SMOKE_SEEDS = (0,)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every study takes (defaults: `train.TrainConfig`'s)."""
+    defaults = train.TrainConfig()
+    parser.add_argument("--preset", choices=sorted(config_lib.PRESETS), help=f"({defaults.preset})")
+    parser.add_argument("--task", choices=sorted(tasks.TASKS), help=f"({defaults.task})")
+    parser.add_argument(
+        "--task-set",
+        action="append",
+        default=[],
+        type=task_setting,
+        metavar="NAME=VALUE",
+        help="override a task field, e.g. --task-set seq_len=1024",
+    )
+    parser.add_argument("--steps", type=int, help=f"optimizer steps per run ({defaults.steps})")
+    parser.add_argument("--batch-size", type=int, help=f"({defaults.batch_size})")
+    parser.add_argument("--dense-warmup-steps", type=int, help=f"({defaults.dense_warmup_steps})")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help=f"init and data seeds ({' '.join(map(str, DEFAULT_SEEDS))})",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        help="where the JSON and PNG go (experiments/results; with --smoke a new temporary folder)",
+    )
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        help="run directories (runs/<experiment>; with --smoke, in out-dir)",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        help="stop each run after this long (with a checkpoint); running again continues it",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes (2 steps, batch 2, 64 tokens, one seed) to check the script end to end",
+    )
+
+
+def train_config(args: argparse.Namespace) -> train.TrainConfig:
+    """The study's base run: library defaults, then --smoke sizes, then the explicit options."""
+    fields: dict = {}
+    if args.smoke:
+        task = args.task or "mqar"
+        fields.update(SMOKE_TRAIN, task=task, task_overrides=SMOKE_TASK[task])
+    explicit = dict(
+        preset=args.preset,
+        task=args.task,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        dense_warmup_steps=args.dense_warmup_steps,
+    )
+    fields.update({k: v for k, v in explicit.items() if v is not None})
+    if args.task_set:
+        task_fields = dict(fields.get("task_overrides", ())) | dict(args.task_set)
+        fields["task_overrides"] = tuple(task_fields.items())
+    return train.TrainConfig(**fields)
+
+
+def resolve_paths(args: argparse.Namespace, experiment: str) -> None:
+    """Fills `args.seeds`, `args.out_dir` and `args.runs_dir`; smoke outputs never go to
+    experiments/results (they are not results)."""
+    if args.seeds is None:
+        args.seeds = list(SMOKE_SEEDS if args.smoke else DEFAULT_SEEDS)
+    if args.out_dir is None:
+        args.out_dir = (
+            Path(tempfile.mkdtemp(prefix=f"{experiment}-smoke-")) if args.smoke else RESULTS_DIR
+        )
+    if args.smoke and args.out_dir.resolve().is_relative_to(RESULTS_DIR):
+        raise SystemExit(
+            f"--smoke: smoke outputs are not results; choose an --out-dir outside {RESULTS_DIR}"
+        )
+    if args.runs_dir is None:
+        args.runs_dir = args.out_dir / "runs" if args.smoke else Path("runs") / experiment
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def train_run(cfg: train.TrainConfig, run_dir: Path, args: argparse.Namespace) -> dict:
+    """`train.run` in `run_dir` (continuing it if it exists), with the study's time limit."""
+    result = train.run(
+        cfg,
+        run_dir,
+        resume=True,
+        progress=not args.smoke,
+        max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+    )
+    print(train.summarize(cfg, run_dir, result), flush=True)
+    return result
+
+
+def load_model(cfg: train.TrainConfig, run_dir: Path) -> Model:
+    """The model of `run_dir`'s latest checkpoint (`train.load`), checked against `cfg`."""
+    saved, model = train.load(run_dir)
+    if saved != cfg:
+        raise ValueError(f"run_dir: {run_dir} holds a run of another config")
+    return model
+
+
+def with_kv_format(model: Model, kv_format: str) -> Model:
+    """The same parameters read through another main-KV format: post-training quantization.
+
+    The parameter structure does not depend on the formats, so the graph of a model built with
+    the other config takes the trained state as it is.
+    """
+    config = model.config.replace(kv_format=kv_format)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Model(config, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))
+
+
+def reindex_layers(model_config: config_lib.ModelConfig) -> list[str]:
+    """Metric prefixes ('layerN') of the Reindex layers restricted to the candidate pool."""
+    return [f"layer{plan.layer}" for plan in model_config.layers if plan.uses_candidates]
+
+
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    """Labels of the distance buckets of `evaluate.distance_edges`: <e0, e0–e1, ..., ≥ e_last."""
+    inner = [f"{a}–{b}" for a, b in itertools.pairwise(edges)]
+    return [f"<{edges[0]}", *inner, f"≥{edges[-1]}"]
+
+
+def environment() -> dict:
+    """Where the numbers come from: jax version, device, git commit (with '-dirty')."""
+    try:
+        commit = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "commit": commit}
+
+
+def report_config(
+    experiment: str, args: argparse.Namespace, argv: Sequence[str], base: train.TrainConfig
+) -> dict:
+    """The report's "config": the command, the base run, the model and the seeds."""
+    model_config = base.model_config()
+    return {
+        "experiment": experiment,
+        "argv": list(argv),
+        "smoke": args.smoke,
+        "seeds": list(args.seeds),
+        "max_minutes": args.max_minutes,
+        "runs_dir": str(args.runs_dir),
+        "train_config": base.to_json(),
+        "model_config": dataclasses.asdict(model_config),
+        "reindex_layers": reindex_layers(model_config),
+        "distance_edges": list(evaluate.distance_edges(model_config)),
+        **environment(),
+    }
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _mean_std(values: list) -> dict:
+    """Mean, sample std (None for one value) and count of the non-None numbers."""
+    xs = np.asarray([v for v in values if v is not None], np.float64)
+    if not xs.size:
+        return {"mean": None, "std": None, "n": 0}
+    std = float(xs.std(ddof=1)) if xs.size > 1 else None
+    return {"mean": float(xs.mean()), "std": std, "n": int(xs.size)}
+
+
+def summarize(records: list[dict], by: str = "variant") -> dict:
+    """Per `by` value, mean ± std over seeds of every numeric metric; list metrics (per distance
+    bucket) element by element: {variant: {metric: {"mean", "std", "n"}}}."""
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(record[by], []).append(record)
+    summary = {}
+    for name, group in groups.items():
+        metrics = {}
+        for key in dict.fromkeys(k for r in group for k in r):
+            values = [r.get(key) for r in group]
+            present = [v for v in values if v is not None]
+            if key == "seed" or not present:
+                continue
+            if all(_is_number(v) for v in present):
+                metrics[key] = _mean_std(values)
+            elif all(isinstance(v, list) for v in present):
+                columns = [_mean_std(list(c)) for c in zip(*present, strict=True)]
+                metrics[key] = {k: [c[k] for c in columns] for k in ("mean", "std", "n")}
+        summary[name] = metrics
+    return summary
+
+
+def write_report(path: Path, config: dict, records: list[dict]) -> dict:
+    """Writes {"config", "results", "summary"} to `path` and returns it."""
+    report = {"config": config, "results": records, "summary": summarize(records)}
+    path.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def values(records: list[dict], variant: str, key: str) -> list[float]:
+    """`key` of every seed of `variant` (None where the run did not report it)."""
+    return [r.get(key) for r in records if r["variant"] == variant]
+
+
+def layer_mean(record: dict, layers: Sequence[str], metric: str) -> float | None:
+    """Mean of `layerN/<metric>` over `layers`, None when no layer reported it."""
+    found = [record.get(f"{layer}/{metric}") for layer in layers]
+    found = [v for v in found if v is not None]
+    return float(np.mean(found)) if found else None
+
+
+def strip(ax, x: float, ys: list, *, color, label: str | None = None, marker: str = "o") -> None:
+    """Seeds as dots spread around `x`, their mean as a short horizontal bar."""
+    ys = [y for y in ys if y is not None]
+    if not ys:
+        return
+    xs = x + (np.linspace(-0.06, 0.06, len(ys)) if len(ys) > 1 else np.zeros(1))
+    ax.scatter(xs, ys, color=color, marker=marker, s=22, zorder=3, label=label)
+    ax.hlines(np.mean(ys), x - 0.12, x + 0.12, color=color, lw=2, zorder=2)
+
+
+def baseline_tick(ax, x: float, ys: list, *, color, label: str | None = None) -> None:
+    """A baseline's mean over seeds as a wide horizontal tick at `x`, behind the seed dots."""
+    ys = [y for y in ys if y is not None]
+    if ys:
+        ax.hlines(np.mean(ys), x - 0.35, x + 0.35, color=color, lw=1.5, zorder=1, label=label)
+
+
+def subplots(ncols: int, width: float):
+    """(figure, axes) of one row of `ncols` panels, drawn with the file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=(width, 4.2))
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,164 @@
+"""Main-KV format (NVFP4, MXFP4, FP8, BF16) with QAT vs post-training quantization (DESIGN §7).
+
+Per seed, from the same initialization on the same batches:
+  - 'f32':        trained and evaluated with the main KV unquantized (the reference);
+  - 'qat/<fmt>':  trained with the main KV fake-quantized in <fmt> (straight-through gradients)
+                  and evaluated in <fmt>;
+  - 'ptq/<fmt>':  the 'f32' run's parameters evaluated with the main KV in <fmt> (no training
+                  with it), on the same held-out batches as `train.run`'s own evaluation.
+Only the main (compressed) KV changes: index keys and the window keep the preset's formats
+(MXFP4, FP8). Reported per variant and seed: task accuracy and loss, the same weights with
+dense attention, and each Reindex layer's pool recall (with its random / recent / oracle
+baselines), within-pool recall and attention mass — the keys of `train.run`'s result.
+`experiments_anchors.md` §4: NVFP4's relative MSE is about 0.009 on Gaussian data against
+MXFP4's 0.013 (0.03 with outlier channels); the literature puts an NVFP4 KV cache within 1 % of
+BF16 and ahead of MXFP4.
+
+    PYTHONPATH=. python3 experiments/kv_format_study.py                 # 3 seeds, tiny, passkey
+    PYTHONPATH=. python3 experiments/kv_format_study.py --formats nvfp4 mxfp4 --seeds 0 1 2 3
+    PYTHONPATH=. python3 experiments/kv_format_study.py --smoke         # 1-2 min on 2 CPU cores
+
+Writes `kv_format_study.json` ({"config", "results": one record per variant and seed,
+"summary": per variant, mean ± std over seeds}) and `kv_format_study.png` to --out-dir
+(experiments/results); the run directories go to runs/kv_format_study/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from experiments import _common
+from v41jax import config as config_lib
+from v41jax import evaluate, quant, train
+from v41jax.model import Model
+
+NAME = "kv_format_study"
+REFERENCE = "f32"
+FORMATS = tuple(
+    f for f in config_lib.KV_FORMATS if f != REFERENCE and not quant.FORMATS[f].accounting_only
+)
+SMOKE_FORMATS = ("nvfp4",)
+
+
+def evaluate_like_run(model: Model, cfg: train.TrainConfig, step: int) -> dict:
+    """What `train.run(cfg)` reports after `step` steps, for a model it did not train: its
+    held-out batches, with the pool once past the dense warm-up, plus the same weights with
+    dense attention (`dense_accuracy`, `dense_task_loss`)."""
+    task = cfg.make_task()
+    batches = dict(
+        seed=cfg.seed + train.EVAL_SEED_OFFSET,
+        batches=cfg.eval_batches,
+        batch_size=cfg.batch_size,
+    )
+    result = evaluate.evaluate(model, task, dense=cfg.dense_at(step), **batches)
+    if cfg.dense_at(step):
+        return result
+    dense = evaluate.evaluate(model, task, dense=True, **batches)
+    return {**result, "dense_accuracy": dense["accuracy"], "dense_task_loss": dense["task_loss"]}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _common.add_arguments(parser)
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=FORMATS,
+        help=f"main-KV formats to compare with {REFERENCE} ({' '.join(FORMATS)}; "
+        f"with --smoke {' '.join(SMOKE_FORMATS)})",
+    )
+    args = parser.parse_args(argv)
+    if args.formats is None:
+        args.formats = list(SMOKE_FORMATS if args.smoke else FORMATS)
+    _common.resolve_paths(args, NAME)
+    base = _common.train_config(args)
+    config = {
+        **_common.report_config(NAME, args, argv, base),
+        "formats": args.formats,
+        "reference": REFERENCE,
+    }
+    json_path, png_path = args.out_dir / f"{NAME}.json", args.out_dir / f"{NAME}.png"
+    records: list[dict] = []
+
+    def record(variant: str, seed: int, run_dir, result: dict) -> None:
+        records.append({"variant": variant, "seed": seed, "run_dir": str(run_dir), **result})
+        _common.write_report(json_path, config, records)
+
+    for seed in args.seeds:
+        reference_cfg = base.replace(seed=seed, kv_format=REFERENCE)
+        reference_dir = args.runs_dir / f"{REFERENCE}-seed{seed}"
+        reference = _common.train_run(reference_cfg, reference_dir, args)
+        record(REFERENCE, seed, reference_dir, reference)
+        trained = _common.load_model(reference_cfg, reference_dir)
+        for fmt in args.formats:
+            cfg = base.replace(seed=seed, kv_format=fmt)
+            run_dir = args.runs_dir / f"qat-{fmt}-seed{seed}"
+            record(f"qat/{fmt}", seed, run_dir, _common.train_run(cfg, run_dir, args))
+            step = reference["step"]
+            ptq = evaluate_like_run(_common.with_kv_format(trained, fmt), reference_cfg, step)
+            print(
+                f"ptq/{fmt} (the {REFERENCE} run, seed {seed}): accuracy {ptq['accuracy']:.1%}, "
+                f"task loss {ptq['task_loss']:.4f}",
+                flush=True,
+            )
+            record(
+                f"ptq/{fmt}",
+                seed,
+                reference_dir,
+                {"step": step, "stopped_early": reference["stopped_early"], **ptq},
+            )
+    report = _common.write_report(json_path, config, records)
+    plot(report, png_path)
+    print(f"wrote {json_path} and {png_path}")
+    return report
+
+
+def plot(report: dict, path) -> None:
+    """Accuracy, task loss and pool recall (mean over the Reindex layers) per format, QAT beside
+    PTQ; the f32 reference as its own column and a dashed line; seeds as dots."""
+    records, config = report["results"], report["config"]
+    layers = config["reindex_layers"]
+    panels = (
+        ("accuracy", "task accuracy (scored positions)", lambda r: r.get("accuracy")),
+        ("task_loss", "task loss", lambda r: r.get("task_loss")),
+        (
+            "pool_recall",
+            "pool recall (mean over Reindex layers)",
+            lambda r: _common.layer_mean(r, layers, "pool_recall"),
+        ),
+    )
+    fig, axes = _common.subplots(len(panels), 16)
+    formats = config["formats"]
+    for ax, (key, title, metric) in zip(axes, panels, strict=True):
+        for x, fmt in enumerate(formats):
+            for dx, mode, color in ((-0.17, "qat", "C0"), (0.17, "ptq", "C1")):
+                ys = [metric(r) for r in records if r["variant"] == f"{mode}/{fmt}"]
+                label = f"{mode.upper()}" if x == 0 else None
+                _common.strip(ax, x + dx, ys, color=color, label=label)
+        reference = [metric(r) for r in records if r["variant"] == REFERENCE]
+        _common.strip(ax, len(formats), reference, color="C7", label=f"{REFERENCE} reference")
+        reference = [y for y in reference if y is not None]
+        if reference:
+            ax.axhline(np.mean(reference), color="C7", ls="--", lw=1)
+        ax.set(title=title, xticks=range(len(formats) + 1), xticklabels=[*formats, REFERENCE])
+        if key != "task_loss":
+            ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    smoke = " — SMOKE RUN, not a result" if config["smoke"] else ""
+    train_config = config["train_config"]
+    fig.suptitle(
+        f"main-KV format: {train_config['preset']} on {train_config['task']}, "
+        f"{train_config['steps']} steps, seeds {config['seeds']}{smoke}",
+        fontsize=10,
+    )
+    _common.save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()

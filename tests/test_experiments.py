@@ -1,0 +1,81 @@
+"""The ablation scripts run end to end at smoke size and write the report they promise."""
+
+import json
+
+import pytest
+
+from experiments import _common, block_score_ablation, kv_format_study
+from v41jax import train
+
+POOL_METRICS = (
+    "pool_recall",
+    "pool_recall_random",
+    "pool_recall_recent",
+    "pool_recall_oracle",
+    "within_pool_recall",
+    "mass_selected",
+    "pool_recall_by_distance",
+)
+
+
+def _check_report(out_dir, name: str, variants: list[str], sparse: list[str]) -> dict:
+    report = json.loads((out_dir / f"{name}.json").read_text())
+    assert set(report) == {"config", "results", "summary"}
+    config = report["config"]
+    assert config["smoke"] and config["seeds"] == [0] and config["reindex_layers"]
+    pairs = [(r["variant"], r["seed"]) for r in report["results"]]
+    assert sorted(pairs) == sorted((v, s) for v in variants for s in config["seeds"])
+    for r in report["results"]:
+        assert {"accuracy", "task_loss", "accuracy_by_distance"} <= set(r)
+        pool_keys = {f"{layer}/{m}" for layer in config["reindex_layers"] for m in POOL_METRICS}
+        if r["variant"] in sparse:
+            assert pool_keys | {"dense_accuracy"} <= set(r)
+        else:
+            assert not pool_keys & set(r)
+    assert set(report["summary"]) == set(variants)
+    assert report["summary"][variants[0]]["accuracy"]["n"] == len(config["seeds"])
+    assert (out_dir / f"{name}.png").stat().st_size > 10_000
+    return report
+
+
+def test_summary_is_mean_and_sample_std_over_seeds_per_variant():
+    records = [
+        {"variant": "a", "seed": 0, "accuracy": 0.5, "by_distance": [0.0, None], "note": "x"},
+        {"variant": "a", "seed": 1, "accuracy": 1.0, "by_distance": [1.0, None], "note": "y"},
+        {"variant": "b", "seed": 0, "accuracy": None},
+    ]
+    summary = _common.summarize(records)
+    assert summary["a"]["accuracy"] == {"mean": 0.75, "std": pytest.approx(0.5**0.5 / 2), "n": 2}
+    assert summary["a"]["by_distance"]["mean"] == [0.5, None]
+    assert summary["a"]["by_distance"]["n"] == [2, 0]
+    assert "seed" not in summary["a"] and "note" not in summary["a"]
+    assert summary["b"] == {}
+
+
+@pytest.mark.parametrize("script", [block_score_ablation, kv_format_study])
+def test_smoke_outputs_never_go_to_the_results_folder(script):
+    with pytest.raises(SystemExit, match="not results"):
+        script.main(["--smoke", "--out-dir", str(_common.RESULTS_DIR)])
+
+
+@pytest.mark.slow
+def test_block_score_ablation_smoke(tmp_path):
+    block_score_ablation.main(["--smoke", "--out-dir", str(tmp_path)])
+    _check_report(tmp_path, "block_score_ablation", ["max", "mean", "dense"], ["max", "mean"])
+
+
+@pytest.mark.slow
+def test_kv_format_study_smoke_and_ptq_reads_the_trained_parameters(tmp_path):
+    kv_format_study.main(["--smoke", "--out-dir", str(tmp_path)])
+    variants = ["f32", "qat/nvfp4", "ptq/nvfp4"]
+    report = _check_report(tmp_path, "kv_format_study", variants, variants)
+    by_variant = {r["variant"]: r for r in report["results"]}
+    # The f32 run's parameters read through f32 again reproduce its own evaluation exactly, and
+    # through NVFP4 the ptq record: the state transfer moves the trained weights, nothing else.
+    run_dir = tmp_path / "runs" / "f32-seed0"
+    cfg = train.TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
+    trained = _common.load_model(cfg, run_dir)
+    for fmt, variant in (("f32", "f32"), ("nvfp4", "ptq/nvfp4")):
+        again = kv_format_study.evaluate_like_run(_common.with_kv_format(trained, fmt), cfg, 2)
+        assert again["task_loss"] == by_variant[variant]["task_loss"]
+    assert by_variant["ptq/nvfp4"]["task_loss"] != by_variant["f32"]["task_loss"]
