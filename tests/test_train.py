@@ -167,3 +167,13 @@ def test_bad_train_config_names_the_field():
     with pytest.raises(ValueError, match="seq_len"):
         SMOKE.replace(task_overrides=(("seq_len", 4),))
     assert train.TrainConfig.from_json(json.loads(json.dumps(SMOKE.to_json()))) == SMOKE
+
+
+def test_equal_configs_share_one_compiled_train_step():
+    # The optimizer's transformation is static graph data: equal configs must produce the same
+    # object, or `train_step` would recompile for every run (10+ s each on the CPU).
+    _, first = train.build(SMOKE)
+    _, second = train.build(SMOKE)
+    assert nnx.graphdef(first) == nnx.graphdef(second)
+    _, other = train.build(SMOKE.replace(learning_rate=1e-4))
+    assert nnx.graphdef(other) != nnx.graphdef(first)

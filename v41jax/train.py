@@ -20,6 +20,7 @@ and evaluate with another format for post-training quantization.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -144,18 +145,28 @@ class TrainConfig:
 
 def make_optimizer(model: Model, cfg: TrainConfig) -> nnx.Optimizer:
     """AdamW with linear warm-up and cosine decay, global-norm clipping; over `nnx.Param`s."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=cfg.lr_warmup_steps,
-        decay_steps=max(cfg.steps, cfg.lr_warmup_steps + 1),
-        end_value=cfg.learning_rate * 0.1,
-    )
-    tx = optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, weight_decay=cfg.weight_decay),
+    tx = _transformation(
+        cfg.learning_rate, cfg.lr_warmup_steps, cfg.steps, cfg.weight_decay, cfg.grad_clip
     )
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@functools.cache
+def _transformation(
+    learning_rate: float, warmup: int, steps: int, weight_decay: float, grad_clip: float
+) -> optax.GradientTransformation:
+    # One object per hyperparameter set: the transformation is static data of the optimizer's
+    # graph, so a new (equal but not identical) one per run would make `train_step` recompile.
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(steps, warmup + 1),
+        end_value=learning_rate * 0.1,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(grad_clip), optax.adamw(schedule, weight_decay=weight_decay)
+    )
 
 
 def loss_fn(
