@@ -22,7 +22,7 @@ from flax import nnx
 
 from v41jax import diagnostics
 from v41jax.config import ModelConfig
-from v41jax.model import Model
+from v41jax.model import Model, indexer_kls
 from v41jax.pool import select_candidate_blocks
 from v41jax.scoring import topk_indices
 
@@ -65,11 +65,7 @@ def _eval_batch(model: Model, tokens, targets, loss_mask, evidence, key, *, dens
             jnp.sum(in_bucket, axis=(0, 1)).astype(jnp.float32),
         ),
     }
-    kls = [
-        t.aux["indexer_kl"] / jnp.maximum(t.aux["indexer_kl_rows"], 1.0)
-        for t in trace
-        if "indexer_kl" in t.aux
-    ]
+    kls = indexer_kls(trace)
     if kls:
         out["indexer_kl"] = (jnp.sum(jnp.stack(kls)), jnp.asarray(float(len(kls))))
     if dense or c.candidate_source_layer is None:

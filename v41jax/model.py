@@ -73,6 +73,16 @@ class LayerTrace(NamedTuple):
     aux: dict[str, Array]
 
 
+def indexer_kls(trace: list[LayerTrace]) -> list[Float[Array, ""]]:
+    """Each index source's indexer KL loss, averaged over its query rows that have a key (from a
+    `Model.run(..., indexer_loss=True)` trace)."""
+    return [
+        t.aux["indexer_kl"] / jnp.maximum(t.aux["indexer_kl_rows"], 1.0)
+        for t in trace
+        if "indexer_kl" in t.aux
+    ]
+
+
 class Model(nnx.Module):
     """Token embedding, `config.n_layers` blocks whose roles come from the config, head."""
 

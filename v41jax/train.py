@@ -36,7 +36,7 @@ from flax import nnx
 
 from v41jax import config as config_lib
 from v41jax import tasks as tasks_lib
-from v41jax.model import Model
+from v41jax.model import Model, indexer_kls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,11 +188,7 @@ def loss_fn(
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     task_loss = jnp.sum(ce * mask) / n_scored
     accuracy = jnp.sum((jnp.argmax(logits, -1) == targets) * mask) / n_scored
-    kls = [
-        t.aux["indexer_kl"] / jnp.maximum(t.aux["indexer_kl_rows"], 1.0)
-        for t in trace
-        if "indexer_kl" in t.aux
-    ]
+    kls = indexer_kls(trace)
     indexer_kl = jnp.mean(jnp.stack(kls)) if kls else jnp.zeros(())
     loss = task_loss + indexer_kl_weight * indexer_kl
     metrics = {
