@@ -22,28 +22,22 @@ import jax.numpy as jnp
 from v41jax import evaluate, train
 
 SETTINGS = {
-    "mqar256_p8q8": dict(
-        task="mqar", task_overrides=(("seq_len", 256), ("n_pairs", 8), ("n_queries", 8))
-    ),
-    "mqar128_p8q8_pool4": dict(
-        task="mqar",
-        task_overrides=(("seq_len", 128), ("n_pairs", 8), ("n_queries", 8)),
-        candidate_topk_blocks=4,
-        index_topk=16,
-    ),
-    "mqar256_p16q8": dict(
-        task="mqar", task_overrides=(("seq_len", 256), ("n_pairs", 16), ("n_queries", 8))
-    ),
+    "passkey128": dict(task="passkey"),  # `v41jax train`'s default: 1 digit, 4x the pool
     "passkey256": dict(task="passkey", task_overrides=(("seq_len", 256),)),
+    "passkey512": dict(task="passkey", task_overrides=(("seq_len", 512),)),
+    "passkey128_5digits": dict(task="passkey", task_overrides=(("n_digits", 5),)),
+    "mqar128_p8q8": dict(task="mqar", task_overrides=(("n_pairs", 8), ("n_queries", 8))),
 }
 
 
-def run_setting(name: str, overrides: dict, steps: int, batch: int, lr: float, every: int) -> dict:
+def run_setting(
+    name: str, overrides: dict, steps: int, batch: int, lr: float, every: int, warmup: float
+) -> dict:
     cfg = train.TrainConfig(
         steps=steps,
         batch_size=batch,
         learning_rate=lr,
-        dense_warmup_steps=steps // 10,
+        dense_warmup_steps=int(steps * warmup),
         **overrides,
     )
     model, optimizer = train.build(cfg)
@@ -80,7 +74,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, nargs="+", default=[3e-3, 1e-2])
+    parser.add_argument("--lr", type=float, nargs="+", default=[1e-2])
+    parser.add_argument(
+        "--warmup", type=float, default=0.4, help="dense warm-up as a fraction of the steps"
+    )
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--smoke", action="store_true", help="a few steps of one setting")
@@ -91,14 +88,16 @@ def main() -> None:
             4,
             2,
             [3e-3],
-            ["mqar128_p8q8_pool4"],
+            ["passkey128"],
             2,
         )
     results = []
     for name in args.settings:
         for lr in args.lr:
             results.append(
-                run_setting(name, SETTINGS[name], args.steps, args.batch, lr, args.every)
+                run_setting(
+                    name, SETTINGS[name], args.steps, args.batch, lr, args.every, args.warmup
+                )
             )
             if args.out:  # after every setting, so a run cut short keeps what it measured
                 args.out.parent.mkdir(parents=True, exist_ok=True)

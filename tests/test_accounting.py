@@ -175,12 +175,12 @@ def test_tiny():
     assert [(x.layer, x.scored_without_pool, x.scored_with_pool) for x in cost.layers] == [
         (1, 128, 128),
         (3, 256, 256),
-        (4, 256, 64),
-        (6, 256, 64),
+        (4, 256, 32),  # the pool: 4 blocks of 8
+        (6, 256, 32),
     ]
-    assert cost.macs_per_entry == 4 * 32
-    assert accounting.config_summary(cfg, 256)["indexer"]["total_with_pool"] == 128 * (
-        128 + 256 + 64 + 64
+    assert cost.macs_per_entry == 2 * 32  # index heads x index head dim
+    assert accounting.config_summary(cfg, 256)["indexer"]["total_with_pool"] == 64 * (
+        128 + 256 + 32 + 32
     )
 
 

@@ -211,7 +211,7 @@ BAD_ARGS = [
     ("mqar", {"filler_ids": (132,)}, "filler_ids"),
     ("mqar", {"vocab_size": 200}, "filler_ids"),
     ("mqar", {"vocab_size": 3}, "vocab_size"),
-    ("passkey", {"seq_len": 11}, "seq_len"),
+    ("passkey", {"seq_len": 3}, "seq_len"),
     ("passkey", {"n_digits": 0}, "n_digits"),
     ("passkey", {"depth": 1.5}, "depth"),
     ("passkey", {"depth": "deep"}, "depth"),

@@ -8,7 +8,7 @@ Two tasks, both generated in numpy, vectorized over the batch and deterministic 
     by digit after a query marker at the end (the Landmark Attention / Quest recipe at toy scale).
 
 Each task is a frozen dataclass: its fields are the task's configuration (validated on
-construction), its methods draw batches. Contexts default to 256 tokens, 4x the 64-position
+construction), its methods draw batches. Contexts default to 128 tokens, 4x the 32-position
 candidate pool of `config.tiny()`, so the pool has to find the evidence rather than cover it.
 
 Token ids (shared by both tasks so one model can be trained on a mix): 0 `PAD` (reserved, never
@@ -222,7 +222,7 @@ class MQARTask(RetrievalTask):
     the pairs at the start (a sanity check: the pool covers them, sparse == dense).
 
     Args:
-      seq_len: tokens per example (model input length). Default 256 = 4x the tiny pool.
+      seq_len: tokens per example (model input length). Default 128 = 4x the tiny pool.
       n_pairs: key-value pairs D in the context.
       n_queries: queried keys Q (<= n_pairs), each scored once.
       arrangement: 'scattered' (pairs at uniform random non-overlapping positions) or 'stock'
@@ -240,7 +240,7 @@ class MQARTask(RetrievalTask):
         "filler_ids": "f",
     }
 
-    seq_len: int = 256
+    seq_len: int = 128
     n_pairs: int = 16
     n_queries: int = 8
     arrangement: str = "scattered"
@@ -337,9 +337,12 @@ class PasskeyTask(RetrievalTask):
     right (teacher forced).
 
     Args:
-      seq_len: tokens per example. Default 256 = 4x the tiny pool; test lengths up to 4x the
+      seq_len: tokens per example. Default 128 = 4x the tiny pool; test lengths up to 4x the
         training length for extrapolation (the Landmark / Quest protocol).
-      n_digits: digits N of the key.
+      n_digits: digits N of the key. Default 1, the single-needle passkey: recalling it is one
+        content lookup that tiny() learns within `v41jax train`'s CPU budget. Recalling digits
+        after the first is an induction step (find d_{i-1} in the needle, copy its successor)
+        that small models learn only after a long plateau; n_digits=5 is Landmark's key.
       depth: None (uniform over every position the needle fits) or a fixed fraction in [0, 1] for
         length x depth grids.
       filler: 'random' (uniform ids from filler_ids) or 'pattern' (filler_ids cycled in order
@@ -352,8 +355,8 @@ class PasskeyTask(RetrievalTask):
     name: ClassVar[str] = "passkey"
     _prefixes: ClassVar[dict[str, str]] = {"digit_ids": "", "filler_ids": "f"}
 
-    seq_len: int = 256
-    n_digits: int = 5
+    seq_len: int = 128
+    n_digits: int = 1
     depth: float | None = None
     filler: str = "random"
     digit_ids: tuple[int, int] = (4, 14)

@@ -68,14 +68,14 @@ class TrainConfig:
     preset: str = "tiny"
     task: str = "passkey"
     task_overrides: tuple[tuple[str, Any], ...] = ()
-    steps: int = 300
-    batch_size: int = 16
-    learning_rate: float = 3e-3
+    steps: int = 400
+    batch_size: int = 32
+    learning_rate: float = 1e-2
     lr_warmup_steps: int = 30
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     attention: str = "sparse"
-    dense_warmup_steps: int = 60
+    dense_warmup_steps: int = 200
     indexer_kl_weight: float = 1.0
     kv_format: str | None = None
     index_format: str | None = None
@@ -85,7 +85,7 @@ class TrainConfig:
     index_topk: int | None = None
     seed: int = 0
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_batches: int = 8
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
 
