@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import _common, block_score_ablation, kv_format_study
+from experiments import _common, block_score_ablation, kv_format_study, merge_reports
 from v41jax import train
 
 POOL_METRICS = (
@@ -79,3 +79,33 @@ def test_kv_format_study_smoke_and_ptq_reads_the_trained_parameters(tmp_path):
         again = kv_format_study.evaluate_like_run(_common.with_kv_format(trained, fmt), cfg, 2)
         assert again["task_loss"] == by_variant[variant]["task_loss"]
     assert by_variant["ptq/nvfp4"]["task_loss"] != by_variant["f32"]["task_loss"]
+
+
+def _part(seed: int, **config) -> dict:
+    base = {"experiment": "x", "seeds": [seed], "argv": [f"--seeds {seed}"], "runs_dir": f"r{seed}"}
+    base |= {"commit": "abc", "train_config": {"steps": 10}} | config
+    results = [{"variant": v, "seed": seed, "accuracy": 0.5 + seed / 10} for v in ("max", "mean")]
+    return {"config": base, "results": results}
+
+
+def test_merge_reports_is_the_union_of_the_seeds():
+    config, records = merge_reports.merge([_part(1), _part(0)])
+    assert config["seeds"] == [0, 1]
+    assert [(r["variant"], r["seed"]) for r in records] == [
+        ("max", 0),
+        ("mean", 0),
+        ("max", 1),
+        ("mean", 1),
+    ]
+    summary = _common.summarize(records)
+    assert summary["max"]["accuracy"]["n"] == 2
+    assert summary["max"]["accuracy"]["mean"] == pytest.approx(0.55)
+
+
+def test_merge_reports_refuses_parts_that_do_not_belong_together():
+    with pytest.raises(ValueError, match=r"reports\[1\]: its config differs .*train_config"):
+        merge_reports.merge([_part(0), _part(1, train_config={"steps": 20})])
+    with pytest.raises(ValueError, match="variant 'max' of seed 0 appears twice"):
+        merge_reports.merge([_part(0), _part(0)])
+    with pytest.raises(ValueError, match="at least one report"):
+        merge_reports.merge([])
