@@ -1,0 +1,97 @@
+"""Prints BENCHMARKS.md's tables from the committed JSON of `bench_kernels.py` and
+`train_throughput.py`, so the document's numbers are the JSON's, never retyped.
+
+    python3 experiments/bench_tables.py experiments/results/bench_kernels_h200_2026-11-29.json
+    python3 experiments/bench_tables.py --throughput experiments/results/train_throughput_*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _context(n: int) -> str:
+    return f"{n // 2**20}M" if n % 2**20 == 0 else f"{n // 1024}K"
+
+
+def kernels(report: dict) -> str:
+    copy, matmul = report["copy"], report["matmul"]
+    lines = [
+        f"Ceilings (same process): copy {copy['GBps']:,.0f} GB/s (read + written, "
+        f"{copy['bytes'] / 2**30:.0f} GiB); bf16 matmul {matmul['TFLOPs']:.0f} TFLOP/s "
+        f"({matmul['n']}³). Commit {report['commit']}, {report['device']}, jax {report['jax']}.",
+        "",
+        "Pooled scoring (batch 64, 2048 blocks of 8, 32 heads × 128, MXFP4 keys, top-512):",
+        "",
+        "| context | (a) score all, mask, top-k | (b) XLA gather + einsum + top-k | kernel + top-k "
+        "| kernel, scores | Mosaic kernel alone | kernel BW / copy | vs (a) | vs (b) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, c in sorted(report["pooled_scoring"]["contexts"].items(), key=lambda kv: int(kv[0])):
+        s, t = c["pallas_scores"], c["pallas_topk"]
+        lines.append(
+            f"| {_context(int(n))} | {c['full_scan_topk']['median_ms']:.3f} ms "
+            f"| {c['xla_pool_topk']['median_ms']:.3f} ms | {t['median_ms']:.3f} ms "
+            f"| {s['median_ms']:.4f} ms | {s['mosaic_kernel_ms']:.4f} ms "
+            f"| {s['kernel_GBps']:,.0f} GB/s = {s['kernel_fraction_of_copy']:.0%} "
+            f"| {c['speedup_vs_full_scan_topk']:.0f}× | {c['speedup_vs_xla_pool_topk']:.2f}× |"
+        )
+    att = report["sparse_attention"]
+    lines += [
+        "",
+        f"FP4 sparse attention ({att['shape']['heads']} heads × {att['shape']['dim']}, "
+        f"{att['shape']['topk']} selected + {att['shape']['window']} window keys, NVFP4 main KV, "
+        "FP8 window):",
+        "",
+        "| batch | implementation | time | TFLOP/s | bytes | TB/s | rel. error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in att["results"]:
+        lines.append(
+            f"| {r['batch']} | {r['implementation']} | {r['time_us']:.1f} µs | {r['tflops']:.1f} "
+            f"| {r['bytes'] / 1e6:.1f} MB | {r['tb_per_s']:.3f} | {r['rel_err']:.1e} |"
+        )
+    lines += ["", "| kernel @ batch | vs (a) XLA over BF16 cache | vs (b) XLA over packed FP4 |"]
+    lines.append("|---|---|---|")
+    for name, s in att["speedups"].items():
+        lines.append(f"| {name} | {s['vs_xla_bf16_cache']:.2f}× | {s['vs_xla_packed']:.2f}× |")
+    return "\n".join(lines)
+
+
+def throughput(reports: list[dict]) -> str:
+    lines = [
+        "| device | preset | attention | batch × seq | median step | tokens/s | first step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        where = (
+            report["device"]
+            if report["platform"] == "gpu"
+            else (f"CPU ({report['cpu_count']} cores)")
+        )
+        for r in report["results"]:
+            lines.append(
+                f"| {where} | {r['preset']} | {r['attention']} | {r['batch_size']} × "
+                f"{r['seq_len']} | {r['median_step_s'] * 1e3:,.1f} ms | {r['tokens_per_s']:,.0f} "
+                f"| {r['first_step_s']:.1f} s |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", type=Path)
+    parser.add_argument("--throughput", action="store_true", help="the paths are throughput runs")
+    args = parser.parse_args()
+    reports = [json.loads(p.read_text()) for p in args.paths]
+    if args.throughput:
+        print(throughput(reports))
+    else:
+        for report in reports:
+            print(kernels(report))
+
+
+if __name__ == "__main__":
+    main()
