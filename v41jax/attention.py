@@ -9,7 +9,8 @@ Each layer runs in two modes that share every piece of math:
   - prefill (`__call__`): a whole batch of padded sequences [B, T]; causality alone keeps a valid
     row from seeing padding, since padding only ever sits in its future;
   - decode (`decode`): one token per sequence at its own position, reading and writing the packed
-    cache (`v41jax.cache.LayerCache`); compressed rows are gathered packed, then unpacked.
+    cache (`v41jax.cache.LayerCache`); compressed rows are gathered packed, then unpacked, or, with
+    `implementation='pallas'`, read packed by the kernels of `pallas_kernels` (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -30,8 +31,33 @@ from v41jax.rope import apply_rope
 from v41jax.scoring import index_scores, indices_to_mask, topk_indices
 from v41jax.sparse_attention import masked_attention, sparse_attention
 
-IMPLEMENTATIONS = ("xla",)
-"""Values of `implementation=` accepted by the attention stack (Pallas kernels plug in here)."""
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+"""Values of `implementation=` accepted by decode (`Attention.decode`, `model.decode_step`).
+
+- 'xla': gather the selected packed rows, unpack them, float32 math (the definition).
+- 'pallas': the Mosaic GPU kernels of `pallas_kernels` read the packed caches directly (Hopper):
+  `fp4_sparse_attention` for the core attention of every layer with compressed KV, and
+  `pooled_scores(..., topk=)` for the scoring of Reindex layers inside the candidate pool. The
+  candidate source's full scan, Full layers' scans and window-only layers stay XLA. Needs a
+  kernel-shaped config (`check_kernel_config`, `config.small_kernels()`).
+- 'pallas_interpret': the same kernels in the Mosaic GPU interpreter on the CPU (tests; about a
+  second per kernel call). Run it outside `jit`, as `model.decode_step` does: inside a larger
+  jitted program the interpreter's kernels can deadlock under XLA:CPU's async dispatch.
+
+Prefill and training (`Attention.__call__`, `Model.run`, `model.prefill`) accept only
+`PREFILL_IMPLEMENTATIONS`: the kernels take one query per sequence.
+"""
+
+PREFILL_IMPLEMENTATIONS = ("xla",)
+"""Values of `implementation=` accepted by prefill and training."""
+
+KERNEL_IMPLEMENTATIONS = ("pallas", "pallas_interpret")
+"""The entries of `IMPLEMENTATIONS` that run the Pallas kernels."""
+
+# The kernels' shape limits (pallas_kernels/sparse_attention/sparse_attention_mgpu.py,
+# pallas_kernels/pooled_scoring/kernel_mgpu.py).
+_ATTENTION_KERNEL_HEAD_DIMS = (256, 512)
+_SCORING_KERNEL_MAX_HEADS = 256
 
 
 @struct.dataclass
@@ -42,6 +68,8 @@ class SharedState:
       kv: [B, S, head_dim] float compressed main KV of the latest KV source (prefill), or None.
       kv_packed: [B, S, row_bytes] uint8 packed main KV of the latest KV source (decode), or None.
       index_k: [B, S, index_head_dim] float index keys of the latest Full layer, or None.
+      index_k_packed: [B, S, index_row_bytes] uint8 packed index keys of the latest Full layer
+        (decode), or None.
       topk: [B, T, index_topk] int32 latest published selection (positions into the compressed
         KV, ascending, −1 padded), or None.
       pool: the candidate pool published by the candidate source (`CandidatePool` with mask
@@ -51,14 +79,63 @@ class SharedState:
     kv: Float[Array, "b s d"] | None = None
     kv_packed: Array | None = None
     index_k: Float[Array, "b s di"] | None = None
+    index_k_packed: Array | None = None
     topk: Int[Array, "b t k"] | None = None
     pool: CandidatePool | None = None
 
 
-def check_implementation(implementation: str) -> None:
-    if implementation not in IMPLEMENTATIONS:
+def check_implementation(implementation: str, *, decode: bool = False) -> None:
+    """Raise ValueError unless `implementation` is accepted by decode (`decode=True`) or by
+    prefill and training (`decode=False`)."""
+    allowed = IMPLEMENTATIONS if decode else PREFILL_IMPLEMENTATIONS
+    if implementation not in allowed:
+        where = "decode" if decode else "prefill and training (the kernels serve decode only)"
         raise ValueError(
-            f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}"
+            f"implementation: expected one of {allowed} for {where}, got {implementation!r}"
+        )
+
+
+def check_kernel_config(config: ModelConfig, implementation: str) -> None:
+    """Raise ValueError, naming every offending config field with its expected and received
+    value, when `implementation` runs the Pallas kernels on a config they cannot take.
+
+    `fp4_sparse_attention` (layers with compressed KV) decodes NVFP4 main-KV rows and FP8 window
+    rows of D in {256, 512}; `pooled_scores` (Reindex layers inside the pool) scores MXFP4 index
+    keys of dim 128 in candidate blocks of 8, at most 256 heads. 'xla' takes any config.
+    """
+    if implementation not in KERNEL_IMPLEMENTATIONS:
+        return
+    from pallas_kernels.pooled_scoring import kernel_mgpu  # lazy: it imports v41jax
+
+    c, problems = config, []
+
+    def need(name: str, ok: bool, expected: str) -> None:
+        if not ok:
+            problems.append(f"config.{name}: expected {expected}, got {getattr(c, name)!r}")
+
+    if any(plan.role is not Role.WINDOW for plan in c.layers):
+        need("kv_format", c.kv_format == "nvfp4", "'nvfp4'")
+        need("window_format", c.window_format == "fp8", "'fp8'")
+        dims = _ATTENTION_KERNEL_HEAD_DIMS
+        need("head_dim", c.head_dim in dims, " or ".join(map(str, dims)))
+    if any(plan.uses_candidates for plan in c.layers):
+        need("index_format", c.index_format == "mxfp4", "'mxfp4'")
+        need("index_head_dim", c.index_head_dim == kernel_mgpu.DIM, str(kernel_mgpu.DIM))
+        need(
+            "candidate_block_size",
+            c.candidate_block_size == kernel_mgpu.BLOCK_SIZE,
+            str(kernel_mgpu.BLOCK_SIZE),
+        )
+        need(
+            "index_n_heads",
+            c.index_n_heads <= _SCORING_KERNEL_MAX_HEADS,
+            f"<= {_SCORING_KERNEL_MAX_HEADS}",
+        )
+    if problems:
+        raise ValueError(
+            f"implementation={implementation!r} runs the Pallas kernels, which need "
+            + "; ".join(problems)
+            + " (config.small_kernels() is a toy they take)"
         )
 
 
@@ -153,13 +230,28 @@ class Attention(nnx.Module):
         kv = apply_rope(latent, entry_positions, c.rope_head_dim, self.theta)
         return quant.fake_quant(kv, c.kv_format)
 
-    def _select(self, qr, x, positions, compress_lens, shared: SharedState, debug: bool):
+    def _select(
+        self,
+        qr,
+        x,
+        positions,
+        compress_lens,
+        shared: SharedState,
+        debug: bool,
+        implementation: str = "xla",
+    ):
         """Scores, candidate pool and top-k of an index source; Reuse and Dense layers publish
         nothing new (a Dense layer's consumers attend to every visible entry).
 
-        Returns the new shared state and the index scores (None for non-index sources). The
-        indexer reads its inputs through `stop_gradient`: its only training signal is the KL
-        loss, and that loss must not reach the rest of the model (DESIGN §7).
+        Returns the new shared state and the index scores (None for non-index sources, and for
+        Reindex layers that score with the pooled-scoring kernel). The indexer reads its inputs
+        through `stop_gradient`: its only training signal is the KL loss, and that loss must not
+        reach the rest of the model (DESIGN §7).
+
+        With a kernel implementation (decode only: one query per sequence, T = 1), a Reindex
+        layer inside the pool reads the packed index keys of its pool's blocks with
+        `pooled_scores(..., topk=)`, which keeps `topk_indices`' rules (ties to the lowest
+        position, −inf picks dropped to −1, positions ≥ compress_lens invisible).
         """
         c, plan = self.config, self.plan
         if plan.role not in (Role.FULL, Role.REINDEX):
@@ -167,18 +259,35 @@ class Attention(nnx.Module):
         q, weights = self.indexer.queries(
             jax.lax.stop_gradient(qr), jax.lax.stop_gradient(x), positions
         )
-        scores = index_scores(q, weights, shared.index_k, compress_lens)
         pool = shared.pool
-        if plan.is_candidate_source:
-            pool = select_candidate_blocks(
-                scores,
-                compress_lens,
-                c.candidate_topk_blocks,
-                c.candidate_block_size,
-                reduce=c.block_score,
+        if plan.uses_candidates and implementation in KERNEL_IMPLEMENTATIONS:
+            from pallas_kernels.pooled_scoring.api import pooled_scores  # lazy: imports v41jax
+
+            picks = pooled_scores(
+                shared.index_k_packed,
+                q[:, 0],
+                weights[:, 0],
+                pool.block_ids[:, 0],
+                compress_lens[:, 0],
+                block_size=c.candidate_block_size,
+                fmt=c.index_format,
+                implementation="pallas",
+                topk=c.index_topk,
+                interpret=implementation == "pallas_interpret",
             )
-        mask = pool.mask if plan.uses_candidates else None
-        topk = topk_indices(scores, c.index_topk, mask)
+            topk, scores = picks.indices[:, None], None
+        else:
+            scores = index_scores(q, weights, shared.index_k, compress_lens)
+            if plan.is_candidate_source:
+                pool = select_candidate_blocks(
+                    scores,
+                    compress_lens,
+                    c.candidate_topk_blocks,
+                    c.candidate_block_size,
+                    reduce=c.block_score,
+                )
+            mask = pool.mask if plan.uses_candidates else None
+            topk = topk_indices(scores, c.index_topk, mask)
         if debug:
             check_selection(
                 plan.layer,
@@ -228,7 +337,7 @@ class Attention(nnx.Module):
         Args:
           x: [B, T, dim] normalized layer input.
           shared: the state published by earlier layers.
-          implementation: 'xla' (kernels plug in here).
+          implementation: 'xla' (`PREFILL_IMPLEMENTATIONS`; the kernels serve decode only).
           debug: stage the selection invariants (`v41jax.invariants`).
           dense: attend to every visible compressed entry instead of the selection (the dense
             baseline and the indexer warm-up); index sources still score, select and publish.
@@ -358,8 +467,27 @@ class Attention(nnx.Module):
         implementation: str = "xla",
         debug: bool = False,
     ) -> tuple[Float[Array, "b dim"], SharedState, LayerCache]:
-        """One token per sequence at `positions` [B]; reads and writes this layer's packed cache."""
-        check_implementation(implementation)
+        """One token per sequence at `positions` [B]; reads and writes this layer's packed cache.
+
+        Args:
+          x: [B, dim] normalized layer input.
+          shared: the state published by earlier layers in this step.
+          cache: this layer's packed cache (rows of `positions` are written here).
+          positions: [B] int position of each sequence's token.
+          implementation: one of `IMPLEMENTATIONS`. With 'pallas' (or 'pallas_interpret'),
+            a layer with compressed KV attends with `fp4_sparse_attention` on the packed caches
+            (the shared main-KV rows, its selection, the FP8 window ring) instead of gathering
+            and unpacking in XLA, and a Reindex layer inside the pool selects with
+            `pooled_scores`; window-only layers and full scans stay XLA. The kernel's attention
+            output is bf16 (float32 accumulation), widened to float32: ~2e-3 relative error
+            against 'xla' (tests/test_decode_kernels.py bounds it by 1e-2).
+          debug: stage the selection invariants (`v41jax.invariants`).
+
+        Returns:
+          (output [B, dim] float32, the updated shared state, the updated layer cache).
+        """
+        check_implementation(implementation, decode=True)
+        check_kernel_config(self.config, implementation)
         c, plan = self.config, self.plan
         batch = x.shape[0]
         rows = jnp.arange(batch)
@@ -368,38 +496,71 @@ class Attention(nnx.Module):
         cache = cache.replace(
             window=cache.window.at[rows, slot].set(quant.pack(window, c.window_format))
         )
-        window_rows = quant.unpack(cache.window, c.window_format, c.head_dim)
         window_valid = window_slot_valid(positions, c.window_size)
 
         if self.compressor is not None:
             cache = self._compress_step(x, positions, cache)
             shared = shared.replace(kv_packed=cache.main_kv)
             if self.indexer is not None:
+                # Full layers scan every position (XLA); Reindex kernels read the packed rows.
                 index_k = quant.unpack(cache.index_k, c.index_format, c.index_head_dim)
-                shared = shared.replace(index_k=index_k)
+                shared = shared.replace(index_k=index_k, index_k_packed=cache.index_k)
 
         if plan.role is Role.WINDOW:
-            kv_rows = jnp.zeros((batch, 0, c.head_dim), jnp.float32)
-            local = jnp.zeros((batch, 0), jnp.int32)
+            kv_row = quant.packed_row_bytes(c.kv_format, c.head_dim, rope_dim=c.rope_head_dim)
+            kv_packed = jnp.zeros((batch, 0, kv_row), jnp.uint8)
+            selected = jnp.zeros((batch, 0), jnp.int32)
+            # No compressed KV to read: the window ring alone is attended in XLA.
+            implementation = "xla"
         else:
             compress_lens = (positions + 1) // plan.compress_ratio
             shared, _ = self._select(
-                qr[:, None], x[:, None], positions[:, None], compress_lens[:, None], shared, debug
+                qr[:, None],
+                x[:, None],
+                positions[:, None],
+                compress_lens[:, None],
+                shared,
+                debug,
+                implementation,
             )
-            n_entries = shared.kv_packed.shape[1]
-            selected = self._selection(shared, compress_lens[:, None], n_entries)[:, 0]
-            # Gather the selected packed rows, then unpack only those.
-            packed = jnp.take_along_axis(
-                shared.kv_packed, jnp.maximum(selected, 0)[..., None], axis=1
+            kv_packed = shared.kv_packed
+            selected = self._selection(shared, compress_lens[:, None], kv_packed.shape[1])[:, 0]
+        o = self._attend_packed(q, kv_packed, selected, cache.window, window_valid, implementation)
+        return self._output(o, positions), shared, cache
+
+    def _attend_packed(self, q, kv_packed, selected, window_packed, window_valid, implementation):
+        """Core attention of B single queries [B, H, D] over packed rows: main KV [B, S, row]
+        at `selected` [B, K] (−1 skips) and the window ring [B, W, row] where `window_valid`.
+
+        'xla' gathers the selected rows, unpacks them and runs `sparse_attention` (float32); the
+        kernel implementations hand the packed caches to `fp4_sparse_attention` (bf16 output).
+        """
+        c = self.config
+        if implementation in KERNEL_IMPLEMENTATIONS:
+            from pallas_kernels.sparse_attention.api import fp4_sparse_attention  # lazy
+
+            return fp4_sparse_attention(
+                q,
+                kv_packed,
+                selected,
+                window_packed,
+                window_valid,
+                self.sink[...],
+                kv_fmt=c.kv_format,
+                window_fmt=c.window_format,
+                implementation="pallas",
+                interpret=implementation == "pallas_interpret",
             )
-            kv_rows = quant.unpack(packed, c.kv_format, c.head_dim)
-            local = jnp.where(selected >= 0, jnp.arange(selected.shape[-1]), -1)
-        o = jax.vmap(
+        # Gather the selected packed rows, then unpack only those.
+        packed = jnp.take_along_axis(kv_packed, jnp.maximum(selected, 0)[..., None], axis=1)
+        kv_rows = quant.unpack(packed, c.kv_format, c.head_dim)
+        local = jnp.where(selected >= 0, jnp.arange(selected.shape[-1]), -1)
+        window_rows = quant.unpack(window_packed, c.window_format, c.head_dim)
+        return jax.vmap(
             lambda q_b, rows_b, valid_b, kv_b, idx_b: sparse_attention(
-                q_b, rows_b, valid_b, kv_b, idx_b, self.sink[...], implementation=implementation
+                q_b, rows_b, valid_b, kv_b, idx_b, self.sink[...]
             )
         )(q, window_rows, window_valid, kv_rows, local)
-        return self._output(o, positions), shared, cache
 
     def _compress_step(self, x, positions, cache: LayerCache) -> LayerCache:
         """Buffers this token in the compressor state; a sequence whose group is now complete

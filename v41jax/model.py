@@ -2,7 +2,8 @@
 
 `Model.__call__` runs a whole (padded) batch, as training does. `prefill` and `decode_step` serve
 from the packed cache of `v41jax.cache`; a prefill over T tokens and T decode steps give the same
-logits (to float tolerance) and the same selections (DESIGN §3).
+logits (to float tolerance) and the same selections (DESIGN §3). `decode_step` also runs on the
+Pallas kernels (`implementation='pallas'`, DESIGN §6), which read the packed cache directly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
-from v41jax.attention import Attention, SharedState, check_implementation
+from v41jax.attention import Attention, SharedState, check_implementation, check_kernel_config
 from v41jax.cache import Cache
 from v41jax.config import ModelConfig, Role
 from v41jax.invariants import check_finite
@@ -143,15 +144,17 @@ class Model(nnx.Module):
         return self.run(tokens, implementation=implementation)[0]
 
 
-def _checked(fn, model: Model, *args, **static):
-    """Runs `fn(model, *args, **static)` jitted under checkify and raises its first failed check
-    (compiles on every call: a debugging tool, not a serving path)."""
+def _checked(fn, model: Model, *args, compile: bool = True, **static):
+    """Runs `fn(model, *args, **static)` under checkify (jitted unless `compile` is False) and
+    raises its first failed check (compiles on every call: a debugging tool, not a serving
+    path)."""
     graphdef, state = nnx.split(model)
 
     def pure(state, *args):
         return fn(nnx.merge(graphdef, state), *args, **static)
 
-    error, out = jax.jit(checkify.checkify(pure))(state, *args)
+    checked = checkify.checkify(pure)
+    error, out = (jax.jit(checked) if compile else checked)(state, *args)
     error.throw()
     return out
 
@@ -186,7 +189,7 @@ def prefill(
       tokens: [B, T] int token ids; row b is valid up to lengths[b] (the rest is padding).
       lengths: [B] int, 1 <= lengths[b] <= T.
       max_len: tokens the cache can hold per sequence (>= T).
-      implementation: 'xla' (kernels plug in here).
+      implementation: 'xla' (`attention.PREFILL_IMPLEMENTATIONS`; the kernels serve decode).
       debug: check the value invariants of `v41jax.invariants` (selected indices visible, pool
         within the visible positions with its newest block pinned, Reindex picks inside the
         pool, finite logits) and raise `checkify.JaxRuntimeError` naming the first that fails.
@@ -244,7 +247,26 @@ def decode_step(
 ) -> tuple[Float[Array, "b vocab"], Cache, Selections]:
     """Appends one token per sequence (at position `cache.lengths[b]`) and returns its logits,
     the updated cache and the selections ([B, 1, ...] per index source); `debug` as in
-    `prefill`."""
+    `prefill`.
+
+    `implementation` is one of `attention.IMPLEMENTATIONS`: 'xla' (gather, unpack, float32), or
+    'pallas' on a Hopper GPU ('pallas_interpret': the same kernels interpreted on the CPU), where
+    every layer with compressed KV attends with `fp4_sparse_attention` on the packed caches and
+    every Reindex layer inside the candidate pool selects with `pooled_scores`. The kernels need
+    a config they can take (`attention.check_kernel_config` raises naming the fields otherwise;
+    `config.small_kernels()` is one). Their attention output is bf16 with float32 accumulation
+    (~2e-3 relative error per layer), so at small_kernels() size logits differ from 'xla' by up
+    to ~1e-2 of their RMS. That perturbation can also flip a later layer's near-tied top-k pick
+    (an index query crossing an MXFP4 rounding boundary); from there on the sequence differs by
+    more (up to ~0.3 of the logits' RMS measured on a random-initialized model).
+    tests/test_decode_kernels.py derives and states the tolerances.
+
+    'pallas_interpret' runs the step op by op, not jitted: the Mosaic GPU interpreter blocks
+    XLA:CPU threads in its callbacks, and inside one larger jitted program its kernels can
+    deadlock under CPU async dispatch, JAX's default (observed on a 2-core machine; not with
+    `jax_cpu_enable_async_dispatch=False` at start-up). Unjitted, each kernel is its own small
+    program and they run one at a time.
+    """
     tokens = jnp.asarray(tokens)
     model._check_tokens(tokens, 1)
     if tokens.shape[0] != cache.batch:
@@ -256,12 +278,21 @@ def decode_step(
             f"cache: full; a sequence already holds {int(cache.lengths.max())} tokens and "
             f"max_len is {cache.max_len}"
         )
-    check_implementation(implementation)
+    check_implementation(implementation, decode=True)
+    check_kernel_config(model.config, implementation)
+    interpreted = implementation == "pallas_interpret"
     if debug:
         return _checked(
-            _decode_step_impl, model, tokens, cache, implementation=implementation, debug=True
+            _decode_step_impl,
+            model,
+            tokens,
+            cache,
+            compile=not interpreted,
+            implementation=implementation,
+            debug=True,
         )
-    return _decode_step(model, tokens, cache, implementation=implementation, debug=False)
+    step = _decode_step_impl if interpreted else _decode_step
+    return step(model, tokens, cache, implementation=implementation, debug=False)
 
 
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
