@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from v41jax import train
+from v41jax.model import parameter_counts
 
 # Per preset: the task length (several times the pool) and batch of its throughput run.
 SHAPES = {"tiny": dict(seq_len=128, batch_size=32), "small": dict(seq_len=1024, batch_size=32)}
@@ -63,7 +65,7 @@ def measure(preset: str, dense: bool, steps: int, seq_len: int, batch_size: int)
         "median_step_s": median,
         "min_step_s": min(times),
         "tokens_per_s": batch_size * seq_len / median,
-        "parameters": sum(x.size for x in jax.tree.leaves(train.nnx.state(model, train.nnx.Param))),
+        "parameters": parameter_counts(model.config)["total"],
     }
 
 
@@ -79,7 +81,7 @@ def main() -> None:
     report = {
         "device": jax.devices()[0].device_kind,
         "platform": jax.devices()[0].platform,
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
         "host": platform.node(),
         "results": [],
