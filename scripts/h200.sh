@@ -3,6 +3,7 @@
 # $OUT set): the GPU tests, the kernel benchmark, training throughput, a learnability probe.
 #   bash scripts/h200.sh            # everything, results under $OUT
 #   bash scripts/h200.sh tests      # one stage: tests | bench | throughput | learning | ablations
+#   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder the results go to}
@@ -25,32 +26,26 @@ if [[ $stage == all || $stage == learning ]]; then
     --settings passkey256 passkey512 --out "$OUT/learning_speed_h200.json" || status=1
 fi
 if [[ $stage == ablations ]]; then
-  # One process per study and seed, side by side: a tiny model leaves the GPU mostly idle.
-  # Then one report per study, as a single process over all seeds would have written it.
-  common=(--steps ${STEPS:-400} --dense-warmup-steps ${WARMUP:-200}
-          --max-minutes ${MAX_MINUTES:-2} ${ABLATION_ARGS:-})
+  # One process per study, all seeds in it: the seeds reuse the process's compiled programs, and
+  # processes side by side on one GPU time-slice it (the 2026-11-29 run with six processes made
+  # tiny steps 5x slower). Run directories and the compilation cache live under runs/h200/,
+  # which git ignores and the device machine keeps between calls while it stays warm: a second
+  # call right after one that the watchdog cut short resumes its runs (`train.run(resume=True)`).
+  # No per-run cap unless MAX_MINUTES is set: a capped run is not the study's budget.
+  common=(--seeds ${SEEDS:-0 1 2} ${STEPS:+--steps $STEPS} ${WARMUP:+--dense-warmup-steps $WARMUP}
+          ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ${ABLATION_ARGS:-})
   export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0"
-  parts=$(mktemp -d)
-  # Seeds of one variant compile the same programs: share them through the persistent cache.
-  export JAX_COMPILATION_CACHE_DIR="$parts/jax_cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
-  for study in block_score_ablation kv_format_study; do
-    for seed in ${SEEDS:-0 1 2}; do
-      "$PY" experiments/$study.py "${common[@]}" --seeds $seed \
-        --out-dir "$parts/$study-$seed" --runs-dir "$parts/runs/$study-$seed" \
-        >"$parts/$study-$seed.log" 2>&1 &
-    done
-  done
-  # A study cut short by the command's limit still merges what its processes finished.
-  sleep "${ABLATION_SECONDS:-520}" && pkill -f "experiments/(block_score_ablation|kv_format)" &
-  watchdog=$!
-  wait $(jobs -p | grep -v "^$watchdog$")
-  kill $watchdog 2>/dev/null
-  for study in block_score_ablation kv_format_study; do
-    "$PY" experiments/merge_reports.py $study "$parts"/$study-*/$study.json --out-dir "$OUT" \
+  export JAX_COMPILATION_CACHE_DIR=runs/h200/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+  studies=(${STUDIES:-kv_format_study block_score_ablation})
+  # At the deadline a study gets Ctrl-C: the run in progress checkpoints (`train.run`), and the
+  # report keeps every finished run (it is rewritten after each).
+  deadline=$((SECONDS + ${ABLATION_SECONDS:-540}))
+  for study in "${studies[@]}"; do
+    left=$((deadline - SECONDS))
+    ((left > 30)) || break  # leave the rest to the next call
+    timeout -s INT -k 30 $left "$PY" experiments/$study.py "${common[@]}" --out-dir "$OUT" \
+      --runs-dir runs/h200/$study 2>&1 | grep --line-buffered -v "it/s" | tee "$OUT/$study.log" \
       || status=1
-    for log in "$parts"/$study-*.log; do echo "== $log"; grep -v "it/s" "$log"; done \
-      >"$OUT/$study.log"
   done
-  tail -n 40 "$OUT"/*.log
 fi
 exit $status
