@@ -22,14 +22,14 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from v41jax.scoring import (
-    _as_lengths,
-    _require_broadcast,
-    _require_dtype,
-    _require_min_ndim,
-    _require_nonnegative_int,
-    indices_to_mask,
+from v41jax._checks import (
+    as_lengths,
+    require_broadcast,
+    require_dtype,
+    require_min_ndim,
+    require_nonnegative_int,
 )
+from v41jax.scoring import indices_to_mask
 
 DEFAULT_DISTANCE_EDGES = (64, 512)
 """Bucket edges of `recall_by_distance`: distance < 64, 64 ≤ distance < 512, ≥ 512."""
@@ -54,8 +54,8 @@ def _fraction(total: Float[Array, "*b"], count: Int[Array, "*b"]) -> Fraction:
 
 def _indices(name: str, indices: ArrayLike) -> Int[Array, "*batch k"]:
     indices = jnp.asarray(indices)
-    _require_dtype(name, indices, "integer")
-    _require_min_ndim(name, indices, 1, "[..., k]")
+    require_dtype(name, indices, "integer")
+    require_min_ndim(name, indices, 1, "[..., k]")
     return indices
 
 
@@ -88,8 +88,8 @@ def _in_mask(
 ) -> Bool[Array, "*batch k"]:
     indices = _indices(indices_name, indices)
     mask = jnp.asarray(mask)
-    _require_dtype(mask_name, mask, "bool")
-    _require_min_ndim(mask_name, mask, 1, "[..., n_pos]")
+    require_dtype(mask_name, mask, "bool")
+    require_min_ndim(mask_name, mask, 1, "[..., n_pos]")
     if mask.shape[:-1] != indices.shape[:-1]:
         raise ValueError(
             f"{mask_name}: expected leading dims {indices.shape[:-1]} ({indices_name}'s), "
@@ -139,8 +139,8 @@ def candidate_pool_recall(
       number of counted queries (0 and 0 when none qualifies).
     """
     hit = _in_mask(unrestricted_topk, pool_mask, "unrestricted_topk", "pool_mask")
-    lens = _as_lengths("query_lens", query_lens, hit.shape[:-1])
-    pool_size = _require_nonnegative_int("pool_size", pool_size)
+    lens = as_lengths("query_lens", query_lens, hit.shape[:-1])
+    pool_size = require_nonnegative_int("pool_size", pool_size)
     return _mean_recall(hit, jnp.asarray(unrestricted_topk) >= 0, lens > pool_size)
 
 
@@ -166,8 +166,8 @@ def within_pool_recall(
     if query_mask is None:
         query_mask = jnp.ones(hit.shape[:-1], jnp.bool_)
     query_mask = jnp.asarray(query_mask)
-    _require_dtype("query_mask", query_mask, "bool")
-    _require_broadcast("query_mask", query_mask.shape, hit.shape[:-1])
+    require_dtype("query_mask", query_mask, "bool")
+    require_broadcast("query_mask", query_mask.shape, hit.shape[:-1])
     return _mean_recall(hit, jnp.asarray(reference_topk) >= 0, query_mask)
 
 
@@ -195,8 +195,8 @@ def attention_mass_covered(
       [...] float32 covered mass per query (0 for an empty selection).
     """
     probs = jnp.asarray(attn_probs_dense)
-    _require_dtype("attn_probs_dense", probs, "floating")
-    _require_min_ndim("attn_probs_dense", probs, 1, "[..., n_pos]")
+    require_dtype("attn_probs_dense", probs, "floating")
+    require_min_ndim("attn_probs_dense", probs, 1, "[..., n_pos]")
     selected = _indices("selected", selected)
     if selected.shape[:-1] != probs.shape[:-1]:
         raise ValueError(
@@ -227,7 +227,7 @@ def distance_buckets(
       [..., k] int32 bucket id in [0, len(edges)], −1 for −1 picks.
     """
     indices = _indices("indices", indices)
-    t = _as_lengths("query_positions", query_positions, indices.shape[:-1])
+    t = as_lengths("query_positions", query_positions, indices.shape[:-1])
     if not all(isinstance(e, int) for e in edges) or any(
         b <= a for a, b in itertools.pairwise(edges)
     ):
@@ -262,15 +262,15 @@ def recall_by_distance(
       `Fraction` with value and count shaped [len(edges) + 1]; count = valid picks per bucket.
     """
     hit = jnp.asarray(hit)
-    _require_dtype("hit", hit, "bool")
+    require_dtype("hit", hit, "bool")
     indices = _indices("indices", indices)
     if hit.shape != indices.shape:
         raise ValueError(f"hit: expected shape {indices.shape} (indices'), got {hit.shape}")
     bucket = distance_buckets(indices, query_positions, edges)
     if query_mask is not None:
         query_mask = jnp.asarray(query_mask)
-        _require_dtype("query_mask", query_mask, "bool")
-        _require_broadcast("query_mask", query_mask.shape, indices.shape[:-1])
+        require_dtype("query_mask", query_mask, "bool")
+        require_broadcast("query_mask", query_mask.shape, indices.shape[:-1])
         bucket = jnp.where(query_mask[..., None], bucket, -1)
     in_bucket = bucket[..., None] == jnp.arange(len(edges) + 1)
     counted = in_bucket.reshape(-1, len(edges) + 1)

@@ -22,12 +22,14 @@ import chex
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from v41jax._checks import (
+    as_lengths,
+    require_dtype,
+    require_min_ndim,
+    require_nonnegative_int,
+    require_positive_int,
+)
 from v41jax.scoring import (
-    _as_lengths,
-    _require_dtype,
-    _require_min_ndim,
-    _require_nonnegative_int,
-    _require_positive_int,
     indices_to_mask,
     topk_indices,
 )
@@ -131,13 +133,13 @@ def select_candidate_blocks(
       `CandidatePool(mask [..., n_pos] bool, block_ids [..., topk_blocks] int32)`.
     """
     scores = jnp.asarray(scores)
-    _require_dtype("scores", scores, "floating")
-    _require_min_ndim("scores", scores, 1, "[..., n_pos]")
-    topk_blocks = _require_positive_int("topk_blocks", topk_blocks)
-    block_size = _require_positive_int("block_size", block_size)
+    require_dtype("scores", scores, "floating")
+    require_min_ndim("scores", scores, 1, "[..., n_pos]")
+    topk_blocks = require_positive_int("topk_blocks", topk_blocks)
+    block_size = require_positive_int("block_size", block_size)
     reducer = _resolve_reducer(reduce)
     batch, n_pos = scores.shape[:-1], scores.shape[-1]
-    lens = jnp.clip(_as_lengths("compress_lens", compress_lens, batch), 0, n_pos)
+    lens = jnp.clip(as_lengths("compress_lens", compress_lens, batch), 0, n_pos)
 
     n_blocks = math.ceil(n_pos / block_size)
     padded = jnp.pad(
@@ -182,11 +184,11 @@ def pool_mask_from_block_ids(
       [..., n_pos] bool.
     """
     block_ids = jnp.asarray(block_ids)
-    _require_dtype("block_ids", block_ids, "integer")
-    _require_min_ndim("block_ids", block_ids, 1, "[..., topk_blocks]")
-    n_pos = _require_nonnegative_int("n_pos", n_pos)
-    block_size = _require_positive_int("block_size", block_size)
-    lens = _as_lengths("compress_lens", compress_lens, block_ids.shape[:-1])
+    require_dtype("block_ids", block_ids, "integer")
+    require_min_ndim("block_ids", block_ids, 1, "[..., topk_blocks]")
+    n_pos = require_nonnegative_int("n_pos", n_pos)
+    block_size = require_positive_int("block_size", block_size)
+    lens = as_lengths("compress_lens", compress_lens, block_ids.shape[:-1])
 
     block_mask = indices_to_mask(block_ids, math.ceil(n_pos / block_size))
     mask = jnp.repeat(block_mask, block_size, axis=-1)[..., :n_pos]

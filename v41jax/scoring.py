@@ -10,8 +10,8 @@ The pure jnp definitions that the indexer modules, the pooled-scoring kernel and
   out-of-pool picks when the pool holds fewer than k positions (`v41_architecture.md` §3 step 11).
 - `indices_to_mask`: the inverse of a selection, a boolean mask from −1 padded indices.
 
-The small argument checks shared by `pool`, `sparse_attention` and `diagnostics` live here too, so
-that every boundary reports a bad input the same way (argument name, expected, received).
+Argument checks come from `v41jax._checks`, shared with `pool`, `sparse_attention` and
+`diagnostics`.
 """
 
 from __future__ import annotations
@@ -21,62 +21,20 @@ from typing import NamedTuple
 
 import chex
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from v41jax._checks import (
+    as_lengths,
+    require_broadcast,
+    require_dtype,
+    require_min_ndim,
+    require_nonnegative_int,
+)
 
 # A reference, not a fast path: full float32 products even where the backend would default to a
 # lower-precision matmul (TF32 or bf16 passes on GPU).
 _PRECISION = lax.Precision.HIGHEST
-
-
-# --- argument checks (trace-time: shapes and dtypes only; values cannot be checked under jit) ---
-
-
-def _require_dtype(name: str, x: Array, kind: str) -> None:
-    """Raise ValueError unless `x` has a dtype of `kind` ('floating', 'integer' or 'bool')."""
-    ok = {
-        "floating": jnp.issubdtype(x.dtype, jnp.floating),
-        "integer": jnp.issubdtype(x.dtype, jnp.integer),
-        "bool": x.dtype == jnp.bool_,
-    }[kind]
-    if not ok:
-        raise ValueError(f"{name}: expected a {kind} dtype, got {x.dtype}")
-
-
-def _require_min_ndim(name: str, x: Array, ndim: int, layout: str) -> None:
-    if x.ndim < ndim:
-        raise ValueError(f"{name}: expected shape {layout} (at least {ndim} dims), got {x.shape}")
-
-
-def _require_broadcast(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
-    """Raise ValueError unless `shape` broadcasts to exactly `target` (numpy rules)."""
-    try:
-        ok = np.broadcast_shapes(shape, target) == target
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name}: expected a shape that broadcasts to {target}, got {shape}")
-
-
-def _require_nonnegative_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise ValueError(f"{name}: expected a non-negative Python int, got {value!r}")
-    return int(value)
-
-
-def _require_positive_int(name: str, value: object) -> int:
-    if _require_nonnegative_int(name, value) == 0:
-        raise ValueError(f"{name}: expected a positive Python int, got {value!r}")
-    return int(value)
-
-
-def _as_lengths(name: str, lengths: ArrayLike, target: tuple[int, ...]) -> Int[Array, "*rows"]:
-    """Integer per-row lengths broadcast to `target` (a Python int is one length for all rows)."""
-    lengths = jnp.asarray(lengths)
-    _require_dtype(name, lengths, "integer")
-    _require_broadcast(name, lengths.shape, target)
-    return jnp.broadcast_to(lengths, target)
 
 
 # --- scores ---
@@ -110,8 +68,8 @@ def index_scores(
         ("weights", weights, 2, "[..., T, H]"),
         ("k", k, 2, "[..., S, Dk]"),
     ):
-        _require_dtype(name, x, "floating")
-        _require_min_ndim(name, x, ndim, layout)
+        require_dtype(name, x, "floating")
+        require_min_ndim(name, x, ndim, layout)
     if weights.shape != q.shape[:-1]:
         raise ValueError(
             f"weights: expected shape {q.shape[:-1]} (q's [..., T, H]), got {weights.shape}"
@@ -120,7 +78,7 @@ def index_scores(
         expected = (*q.shape[:-3], "S", q.shape[-1])
         raise ValueError(f"k: expected shape {expected} (q's batch dims and Dk), got {k.shape}")
     rows = q.shape[:-2]
-    lens = _as_lengths("compress_lens", compress_lens, rows)
+    lens = as_lengths("compress_lens", compress_lens, rows)
 
     logits = jnp.einsum(
         "...thd,...sd->...ths", q.astype(jnp.float32), k.astype(jnp.float32), precision=_PRECISION
@@ -178,14 +136,14 @@ def topk(
       ascending order, then −1 (score −inf).
     """
     scores = jnp.asarray(scores)
-    _require_dtype("scores", scores, "floating")
-    _require_min_ndim("scores", scores, 1, "[..., n_pos]")
-    k = _require_nonnegative_int("k", k)
+    require_dtype("scores", scores, "floating")
+    require_min_ndim("scores", scores, 1, "[..., n_pos]")
+    k = require_nonnegative_int("k", k)
     scores = scores.astype(jnp.float32)
     if mask is not None:
         mask = jnp.asarray(mask)
-        _require_dtype("mask", mask, "bool")
-        _require_broadcast("mask", mask.shape, scores.shape)
+        require_dtype("mask", mask, "bool")
+        require_broadcast("mask", mask.shape, scores.shape)
         scores = jnp.where(mask, scores, -jnp.inf)
 
     n_pos = scores.shape[-1]
@@ -231,9 +189,9 @@ def indices_to_mask(indices: Int[Array, "*batch k"], size: int) -> Bool[Array, "
       [..., size] bool.
     """
     indices = jnp.asarray(indices)
-    _require_dtype("indices", indices, "integer")
-    _require_min_ndim("indices", indices, 1, "[..., k]")
-    size = _require_nonnegative_int("size", size)
+    require_dtype("indices", indices, "integer")
+    require_min_ndim("indices", indices, 1, "[..., k]")
+    size = require_nonnegative_int("size", size)
     batch = indices.shape[:-1]
     rows = indices.reshape(math.prod(batch), indices.shape[-1])
     # A scatter, not a one-hot comparison: [rows, k, size] would not fit at long context.

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from v41jax.scoring import _require_broadcast, _require_dtype, _require_min_ndim
+from v41jax._checks import require_broadcast, require_dtype, require_min_ndim
 
 
 class SparseAttentionResult(NamedTuple):
@@ -268,15 +268,15 @@ def sparse_attention(
         ("indices", indices, "integer", 1, "[..., K]"),
         ("sink", sink, "floating", 1, "[H]"),
     ):
-        _require_dtype(name, x, kind)
-        _require_min_ndim(name, x, ndim, layout)
+        require_dtype(name, x, kind)
+        require_min_ndim(name, x, ndim, layout)
     batch, (n_heads, dim) = q.shape[:-2], q.shape[-2:]
     for name, x in (("window_kv", window_kv), ("kv", kv)):
         if x.shape[-1] != dim:
             raise ValueError(f"{name}: expected last dim D = {dim} (q's), got shape {x.shape}")
-        _require_broadcast(name, x.shape, (*batch, x.shape[-2], dim))
-    _require_broadcast("window_valid", window_valid.shape, (*batch, window_kv.shape[-2]))
-    _require_broadcast("indices", indices.shape, (*batch, indices.shape[-1]))
+        require_broadcast(name, x.shape, (*batch, x.shape[-2], dim))
+    require_broadcast("window_valid", window_valid.shape, (*batch, window_kv.shape[-2]))
+    require_broadcast("indices", indices.shape, (*batch, indices.shape[-1]))
     if sink.shape != (n_heads,):
         raise ValueError(f"sink: expected shape ({n_heads},) (q's H), got {sink.shape}")
     scale = _resolve_scale(scale, dim)

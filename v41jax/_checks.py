@@ -1,0 +1,59 @@
+"""Argument checks shared by the pure modules (`scoring`, `pool`, `sparse_attention`,
+`diagnostics`), so that every boundary reports a bad input the same way: the argument's name,
+what was expected, what was received.
+
+They run at trace time and see shapes and dtypes only; values cannot be checked under jit (the
+checkify invariants of `v41jax.invariants` cover those, in debug mode).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Int
+
+
+def require_dtype(name: str, x: Array, kind: str) -> None:
+    """Raise ValueError unless `x` has a dtype of `kind` ('floating', 'integer' or 'bool')."""
+    ok = {
+        "floating": jnp.issubdtype(x.dtype, jnp.floating),
+        "integer": jnp.issubdtype(x.dtype, jnp.integer),
+        "bool": x.dtype == jnp.bool_,
+    }[kind]
+    if not ok:
+        raise ValueError(f"{name}: expected a {kind} dtype, got {x.dtype}")
+
+
+def require_min_ndim(name: str, x: Array, ndim: int, layout: str) -> None:
+    if x.ndim < ndim:
+        raise ValueError(f"{name}: expected shape {layout} (at least {ndim} dims), got {x.shape}")
+
+
+def require_broadcast(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
+    """Raise ValueError unless `shape` broadcasts to exactly `target` (numpy rules)."""
+    try:
+        ok = np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: expected a shape that broadcasts to {target}, got {shape}")
+
+
+def require_nonnegative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative Python int, got {value!r}")
+    return int(value)
+
+
+def require_positive_int(name: str, value: object) -> int:
+    if require_nonnegative_int(name, value) == 0:
+        raise ValueError(f"{name}: expected a positive Python int, got {value!r}")
+    return int(value)
+
+
+def as_lengths(name: str, lengths: ArrayLike, target: tuple[int, ...]) -> Int[Array, "*rows"]:
+    """Integer per-row lengths broadcast to `target` (a Python int is one length for all rows)."""
+    lengths = jnp.asarray(lengths)
+    require_dtype(name, lengths, "integer")
+    require_broadcast(name, lengths.shape, target)
+    return jnp.broadcast_to(lengths, target)
