@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from experiments import _common
 from pallas_kernels.pooled_scoring import bench as scoring_bench
 from pallas_kernels.sparse_attention import bench as attention_bench
 
@@ -31,26 +31,12 @@ def matmul_ceiling(n: int = 8192, iterations: int = 10) -> dict:
     return {"n": n, **timing, "TFLOPs": 2 * n**3 / timing["median_ms"] / 1e9}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--iterations", type=int, default=10)
     args = parser.parse_args()
-    report = {
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "host": platform.node(),
-        "commit": _commit(),
-    }
+    report = {**_common.environment(), "host": platform.node()}
 
     def save():
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from experiments import _common
 from v41jax import train
 from v41jax.model import parameter_counts
 
@@ -79,10 +80,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     report = {
-        "device": jax.devices()[0].device_kind,
+        **_common.environment(),
         "platform": jax.devices()[0].platform,
         "cpu_count": os.cpu_count(),
-        "jax": jax.__version__,
         "host": platform.node(),
         "results": [],
     }

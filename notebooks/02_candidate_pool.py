@@ -50,19 +50,7 @@ from matplotlib.patches import Patch
 from v41jax import evaluate, train
 
 SMOKE = os.environ.get("V41JAX_SMOKE", "0") == "1"
-if SMOKE:
-    cfg = train.TrainConfig(
-        steps=2,
-        batch_size=2,
-        lr_warmup_steps=0,
-        dense_warmup_steps=0,
-        eval_every=2,
-        eval_batches=1,
-        checkpoint_every=2,
-        task_overrides=(("seq_len", 128),),
-    )
-else:
-    cfg = train.TrainConfig()
+cfg = train.TrainConfig.smoke() if SMOKE else train.TrainConfig()
 EVAL_BATCHES = 1 if SMOKE else 8
 print(cfg)
 

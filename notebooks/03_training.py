@@ -48,19 +48,7 @@ if os.environ.get("V41JAX_RUN_DIR"):
     run_dir = Path(os.environ["V41JAX_RUN_DIR"])
     print(f"reading the run in {run_dir}")
 else:
-    if SMOKE:
-        cfg = train.TrainConfig(
-            steps=2,
-            batch_size=2,
-            lr_warmup_steps=0,
-            dense_warmup_steps=0,
-            eval_every=2,
-            eval_batches=1,
-            checkpoint_every=2,
-            task_overrides=(("seq_len", 128),),
-        )
-    else:
-        cfg = train.TrainConfig()
+    cfg = train.TrainConfig.smoke() if SMOKE else train.TrainConfig()
     run_dir = Path(tempfile.mkdtemp(prefix="v41jax_nb03_")) / "run"
     print(f"no V41JAX_RUN_DIR given: training {cfg.steps} steps into {run_dir}")
     train.run(cfg, run_dir, progress=not SMOKE)

@@ -142,6 +142,20 @@ class TrainConfig:
     def from_json(cls, data: dict) -> TrainConfig:
         return cls(**data)
 
+    @classmethod
+    def smoke(cls, **changes) -> TrainConfig:
+        """Two steps at batch 2, one evaluation and one checkpoint: every stage of a run in
+        seconds on a CPU (what the notebooks run in CI). It trains nothing: not a result."""
+        return cls(
+            steps=2,
+            batch_size=2,
+            lr_warmup_steps=0,
+            dense_warmup_steps=0,
+            eval_every=2,
+            eval_batches=1,
+            checkpoint_every=2,
+        ).replace(**changes)
+
 
 def make_optimizer(model: Model, cfg: TrainConfig) -> nnx.Optimizer:
     """AdamW with linear warm-up and cosine decay, global-norm clipping; over `nnx.Param`s."""
