@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import _common, block_score_ablation, kv_format_study, merge_reports
+from experiments import _common, block_score_ablation, kv_format_study, merge_reports, study_tables
 from v41jax import train
 
 POOL_METRICS = (
@@ -109,3 +109,39 @@ def test_merge_reports_refuses_parts_that_do_not_belong_together():
         merge_reports.merge([_part(0), _part(0)])
     with pytest.raises(ValueError, match="at least one report"):
         merge_reports.merge([])
+
+
+def test_study_table_prints_the_summary_in_the_study_order():
+    def record(variant, seed, accuracy, step=400, pool=None):
+        r = {"variant": variant, "seed": seed, "step": step, "accuracy": accuracy}
+        r["stopped_early"] = step < 400
+        r["task_loss"] = 1 - accuracy
+        if pool is not None:
+            r |= {f"layer4/{m}": pool for m in POOL_METRICS if m != "pool_recall_by_distance"}
+            r["dense_accuracy"] = accuracy
+        return r
+
+    records = [
+        record("ptq/nvfp4", 0, 0.5, pool=0.25),
+        record("qat/nvfp4", 0, 1.0, step=300, pool=0.5),
+        record("f32", 0, 0.75, pool=0.75),
+        record("ptq/nvfp4", 1, 0.25, pool=0.25),
+        record("qat/nvfp4", 1, 1.0, pool=0.5),
+        record("f32", 1, 0.25, pool=0.75),
+        record("dense", 0, 0.5),
+    ]
+    report = {
+        "config": {"reindex_layers": ["layer4"]},
+        "results": records,
+        "summary": _common.summarize(records),
+    }
+    lines = study_tables.table(report, study_tables._kv_order).splitlines()
+    rows = [line.split(" | ") for line in lines[2:6]]
+    # Plain variants keep the report's order, then each format's QAT row above its PTQ row.
+    assert [row[0].strip("| ") for row in rows] == ["f32", "dense", "qat/nvfp4", "ptq/nvfp4"]
+    assert rows[0][1:4] == ["400", "50.0 ± 35.4", "50.0 ± 35.4"]  # mean ± sample std, in %
+    assert rows[2][1] == "300–400 (capped)"
+    assert rows[2][5] == "50.0 / 50.0 / 50.0 / 50.0"
+    assert rows[1][2] == "50.0" and rows[1][3:6] == ["—", "0.500", "—"]  # one seed, no pool
+    assert lines[-1].startswith("Per seed (accuracy %, f32 / dense / qat/nvfp4 / ptq/nvfp4): ")
+    assert "seed 1 25.0 / 100.0 / 25.0" in lines[-1]

@@ -1,0 +1,129 @@
+"""Prints the result tables of `experiments/README.md` from a study's committed JSON
+(`block_score_ablation.py`, `kv_format_study.py`, or their merge), so the document's numbers are
+the JSON's, never retyped.
+
+    python3 experiments/study_tables.py experiments/results/block_score_ablation.json
+    python3 experiments/study_tables.py experiments/results/kv_format_study.json
+
+Each table: one row per variant with mean ± sample std over seeds (the JSON's `summary`), the
+per-seed accuracies, and the steps each run trained (a run a time cap stopped short is flagged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _pct(stat: dict | None, std: bool = True) -> str:
+    if stat is None or stat["mean"] is None:
+        return "—"
+    if not std or stat["std"] is None:
+        return f"{100 * stat['mean']:.1f}"
+    return f"{100 * stat['mean']:.1f} ± {100 * stat['std']:.1f}"
+
+
+def _loss(stat: dict | None) -> str:
+    if stat is None or stat["mean"] is None:
+        return "—"
+    return f"{stat['mean']:.3f}" + ("" if stat["std"] is None else f" ± {stat['std']:.3f}")
+
+
+def _per_layer(summary: dict, layers: list[str], metrics: tuple[str, ...]) -> list[str]:
+    """One cell per layer: the metrics' means joined by ' / ' (— where the variant has none)."""
+    cells = []
+    for layer in layers:
+        values = [summary.get(f"{layer}/{m}") for m in metrics]
+        if all(v is None for v in values):
+            cells.append("—")
+        else:
+            cells.append(" / ".join(_pct(v, std=False) for v in values))
+    return cells
+
+
+def _joined(summary: dict, layers: list[str], metric: str) -> str:
+    cells = _per_layer(summary, layers, (metric,))
+    return "—" if all(c == "—" for c in cells) else " / ".join(cells)
+
+
+def _steps(records: list[dict]) -> str:
+    steps = sorted({r["step"] for r in records})
+    capped = any(r.get("stopped_early") for r in records)
+    span = str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
+    return span + (" (capped)" if capped else "")
+
+
+def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
+    config, summary, records = report["config"], report["summary"], report["results"]
+    layers = config["reindex_layers"]
+    names = [name.removeprefix("layer") for name in layers]
+    variants = sorted(summary, key=order) if order else list(summary)
+    header = [
+        "variant",
+        "steps",
+        "accuracy (%)",
+        "same weights, dense (%)",
+        "task loss",
+        *(f"layer {n} pool recall: pool / random / recent / oracle (%)" for n in names),
+        f"within-pool recall L{' / L'.join(names)} (%)",
+        f"mass selected L{' / L'.join(names)} (%)",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    pool = ("pool_recall", "pool_recall_random", "pool_recall_recent", "pool_recall_oracle")
+    for variant in variants:
+        s = summary[variant]
+        own = [r for r in records if r["variant"] == variant]
+        row = [
+            variant,
+            _steps(own),
+            _pct(s.get("accuracy")),
+            _pct(s.get("dense_accuracy")),
+            _loss(s.get("task_loss")),
+            *_per_layer(s, layers, pool),
+            _joined(s, layers, "within_pool_recall"),
+            _joined(s, layers, "mass_selected"),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    seeds = sorted({r["seed"] for r in records})
+    per_seed = []
+    for seed in seeds:
+        by_variant = {r["variant"]: r["accuracy"] for r in records if r["seed"] == seed}
+        cells = " / ".join(f"{100 * by_variant[v]:.1f}" for v in variants if v in by_variant)
+        per_seed.append(f"seed {seed} {cells}")
+    lines += [
+        "",
+        f"Per seed (accuracy %, {' / '.join(variants)}): " + ", ".join(per_seed) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def _kv_order(variant: str) -> tuple:
+    """f32 first, then each format's QAT row above its PTQ row, in the study's format order."""
+    formats = ("nvfp4", "mxfp4", "fp8", "bf16")
+    if "/" not in variant:
+        return (-1, 0)
+    mode, fmt = variant.split("/")
+    rank = formats.index(fmt) if fmt in formats else len(formats)
+    return (rank, 0 if mode == "qat" else 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="study reports (JSON)")
+    args = parser.parse_args()
+    for path in args.paths:
+        report = json.loads(path.read_text())
+        experiment = report["config"]["experiment"]
+        order = _kv_order if experiment == "kv_format_study" else None
+        print(
+            f"{path} ({experiment}, seeds {report['config']['seeds']}, "
+            f"device {report['config']['device']}):\n"
+        )
+        print(table(report, order))
+        print()
+
+
+if __name__ == "__main__":
+    main()
