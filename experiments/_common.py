@@ -235,7 +235,7 @@ def summarize(records: list[dict], by: str = "variant") -> dict:
         for key in dict.fromkeys(k for r in group for k in r):
             values = [r.get(key) for r in group]
             present = [v for v in values if v is not None]
-            if key == "seed" or not present:
+            if key in ("seed", "resumed_from") or not present:
                 continue
             if all(_is_number(v) for v in present):
                 metrics[key] = _mean_std(values)

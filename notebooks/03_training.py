@@ -205,7 +205,7 @@ else:
 # study's own figure, when it was saved next to its JSON, follows.
 
 # %%
-SKIPPED_KEYS = {"seed", "step", "train_seconds"}
+SKIPPED_KEYS = {"seed", "step", "train_seconds", "resumed_from"}
 BASELINE_MARKERS = {
     "_random": ("gray", "random"),
     "_recent": ("g", "recent"),

@@ -94,13 +94,16 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     train.run(SMOKE, tmp_path / "cut", progress=False, log_every=1, stop_after=3)
     assert not (tmp_path / "cut" / "checkpoints" / "6").exists()
     resumed = train.run(SMOKE, tmp_path / "cut", progress=False, log_every=1, resume=True)
-    assert resumed == {**full, "train_seconds": resumed["train_seconds"]}
+    assert resumed == {**full, "train_seconds": resumed["train_seconds"], "resumed_from": 3}
+    assert full["resumed_from"] == 0
     assert train.read_metrics(tmp_path / "cut" / "metrics.jsonl") == train.read_metrics(
         tmp_path / "full" / "metrics.jsonl"
     )
     # Resuming a finished run changes no record.
     again_resumed = train.run(SMOKE, tmp_path / "cut", progress=False, log_every=1, resume=True)
     assert again_resumed["accuracy"] == full["accuracy"]
+    assert again_resumed["resumed_from"] == 6 and again_resumed["train_seconds"] < 1
+    assert "all trained before: evaluated again" in train.summarize(SMOKE, "cut", again_resumed)
     assert train.read_metrics(tmp_path / "cut" / "metrics.jsonl") == train.read_metrics(
         tmp_path / "full" / "metrics.jsonl"
     )

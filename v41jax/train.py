@@ -373,8 +373,10 @@ def run(
       log_every: steps between training-metric records.
 
     Returns:
-      the final evaluation (see `evaluate.evaluate`) plus 'step', 'train_seconds' and
-      'stopped_early' (the step or time limit ended the run before `cfg.steps`).
+      the final evaluation (see `evaluate.evaluate`) plus 'step', 'stopped_early' (the step or
+      time limit ended the run before `cfg.steps`), 'resumed_from' (the checkpoint step this
+      call continued from, 0 for a fresh run) and 'train_seconds' (the training time of this
+      call alone: a resumed run counts only the steps it trained now).
     """
     from tqdm.auto import tqdm
 
@@ -463,7 +465,13 @@ def run(
             "dense_task_loss": dense["task_loss"],
         }
     plot_run(metrics_path, run_dir / "training.png")
-    summary = {"step": step, "train_seconds": seconds, "stopped_early": step < cfg.steps, **result}
+    summary = {
+        "step": step,
+        "train_seconds": seconds,
+        "resumed_from": start,
+        "stopped_early": step < cfg.steps,
+        **result,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -471,10 +479,17 @@ def run(
 def summarize(cfg: TrainConfig, run_dir: str | Path, result: dict) -> str:
     """A short text summary of `run`'s result: accuracy with the pool vs dense attention, pool
     recall against the random, most-recent and oracle block baselines, where things are."""
+    trained = f"{result['step']}/{cfg.steps} steps"
+    resumed = result.get("resumed_from", 0)
+    if resumed == result["step"]:
+        trained += ", all trained before: evaluated again"
+    else:
+        since = f" from step {resumed}" if resumed else ""
+        trained += f", {result['train_seconds']:.0f} s of training{since} in this call"
     lines = [
         "",
-        f"run: {run_dir}  ({result['step']}/{cfg.steps} steps in {result['train_seconds']:.0f} s"
-        + (", stopped early: --resume continues)" if result["stopped_early"] else ")"),
+        f"run: {run_dir}  ({trained}"
+        + ("; stopped early: --resume continues)" if result["stopped_early"] else ")"),
         f"task accuracy (scored positions): {result['accuracy']:.1%} with "
         + ("dense attention" if cfg.attention == "dense" else "the candidate pool"),
     ]
