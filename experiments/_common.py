@@ -246,6 +246,20 @@ def summarize(records: list[dict], by: str = "variant") -> dict:
     return summary
 
 
+def figure_note(report: dict) -> str:
+    """The end of a study figure's title: the seeds that reported (and those asked for, where
+    some did not), the device, and a warning on smoke runs and on runs a time cap cut short."""
+    config, records = report["config"], report["results"]
+    seeds = sorted({r["seed"] for r in records})
+    note = f"seeds {seeds}" + ("" if seeds == config["seeds"] else f" of {config['seeds']}")
+    note += f", {config['device']}"
+    if any(r.get("stopped_early") for r in records):
+        note += " — some runs stopped early (see 'step')"
+    if config["smoke"]:
+        note += " — SMOKE RUN, not a result"
+    return note
+
+
 def write_report(path: Path, config: dict, records: list[dict]) -> dict:
     """Writes {"config", "results", "summary"} to `path` and returns it."""
     report = {"config": config, "results": records, "summary": summarize(records)}

@@ -151,10 +151,9 @@ def plot(report: dict, path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    smoke = " — SMOKE RUN, not a result" if config["smoke"] else ""
     fig.suptitle(
         f"block score: {config['train_config']['preset']} on {config['train_config']['task']}, "
-        f"{config['train_config']['steps']} steps, seeds {config['seeds']}{smoke}",
+        f"{config['train_config']['steps']} steps, {_common.figure_note(report)}",
         fontsize=10,
     )
     _common.save_figure(fig, path)

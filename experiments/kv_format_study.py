@@ -150,11 +150,10 @@ def plot(report: dict, path) -> None:
             ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    smoke = " — SMOKE RUN, not a result" if config["smoke"] else ""
     train_config = config["train_config"]
     fig.suptitle(
         f"main-KV format: {train_config['preset']} on {train_config['task']}, "
-        f"{train_config['steps']} steps, seeds {config['seeds']}{smoke}",
+        f"{train_config['steps']} steps, {_common.figure_note(report)}",
         fontsize=10,
     )
     _common.save_figure(fig, path)

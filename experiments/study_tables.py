@@ -99,6 +99,32 @@ def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
     return "\n".join(lines)
 
 
+def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = None) -> str:
+    """Per variant, its difference from `reference` on the same seed (same initialization and
+    batches): accuracy in points and task loss, mean over seeds with the [min, max] range."""
+    records = report["results"]
+    ref = {r["seed"]: r for r in records if r["variant"] == reference}
+    variants = [v for v in dict.fromkeys(r["variant"] for r in records) if v != reference]
+    variants = sorted(variants, key=order) if order else variants
+    lines = [
+        f"| variant | Δ accuracy vs {reference}, same seed (points): mean [min, max] "
+        f"| Δ task loss vs {reference}: mean [min, max] | seeds |",
+        "|---|---|---|---|",
+    ]
+    for variant in variants:
+        pairs = [
+            (r, ref[r["seed"]]) for r in records if r["variant"] == variant and r["seed"] in ref
+        ]
+        if not pairs:
+            continue
+        cells = []
+        for key, scale, fmt in (("accuracy", 100, "+.1f"), ("task_loss", 1, "+.4f")):
+            d = [scale * (r[key] - f[key]) for r, f in pairs]
+            cells.append(f"{sum(d) / len(d):{fmt}} [{min(d):{fmt}}, {max(d):{fmt}}]")
+        lines.append(f"| {variant} | {cells[0]} | {cells[1]} | {len(pairs)} |")
+    return "\n".join(lines)
+
+
 def _kv_order(variant: str) -> tuple:
     """f32 first, then each format's QAT row above its PTQ row, in the study's format order."""
     formats = ("nvfp4", "mxfp4", "fp8", "bf16")
@@ -123,6 +149,9 @@ def main() -> None:
         )
         print(table(report, order))
         print()
+        if experiment == "kv_format_study":
+            print(paired(report, report["config"]["reference"], order))
+            print()
 
 
 if __name__ == "__main__":

@@ -145,3 +145,16 @@ def test_study_table_prints_the_summary_in_the_study_order():
     assert rows[1][2] == "50.0" and rows[1][3:6] == ["—", "0.500", "—"]  # one seed, no pool
     assert lines[-1].startswith("Per seed (accuracy %, f32 / dense / qat/nvfp4 / ptq/nvfp4): ")
     assert "seed 1 25.0 / 100.0 / 25.0" in lines[-1]
+
+
+def test_paired_differences_are_taken_on_the_same_seed():
+    records = [
+        {"variant": "f32", "seed": 0, "accuracy": 0.5, "task_loss": 1.0},
+        {"variant": "f32", "seed": 1, "accuracy": 1.0, "task_loss": 0.0},
+        {"variant": "ptq/fp8", "seed": 1, "accuracy": 0.75, "task_loss": 0.5},
+        {"variant": "ptq/fp8", "seed": 0, "accuracy": 0.75, "task_loss": 0.25},
+        {"variant": "qat/fp8", "seed": 2, "accuracy": 1.0, "task_loss": 0.0},  # no f32 to pair
+    ]
+    lines = study_tables.paired({"results": records}, "f32").splitlines()
+    assert lines[2] == "| ptq/fp8 | +0.0 [-25.0, +25.0] | -0.1250 [-0.7500, +0.5000] | 2 |"
+    assert len(lines) == 3
