@@ -143,10 +143,10 @@ def main() -> None:
         report = json.loads(path.read_text())
         experiment = report["config"]["experiment"]
         order = _kv_order if experiment == "kv_format_study" else None
-        print(
-            f"{path} ({experiment}, seeds {report['config']['seeds']}, "
-            f"device {report['config']['device']}):\n"
-        )
+        seeds = sorted({r["seed"] for r in report["results"]})
+        asked = report["config"]["seeds"]
+        missing = "" if seeds == asked else f" of the {asked} asked for"
+        print(f"{path} ({experiment}, seeds {seeds}{missing}, {report['config']['device']}):\n")
         print(table(report, order))
         print()
         if experiment == "kv_format_study":
