@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -125,14 +125,18 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
     return "\n".join(lines)
 
 
-def _kv_order(variant: str) -> tuple:
-    """f32 first, then each format's QAT row above its PTQ row, in the study's format order."""
-    formats = ("nvfp4", "mxfp4", "fp8", "bf16")
-    if "/" not in variant:
-        return (-1, 0)
-    mode, fmt = variant.split("/")
-    rank = formats.index(fmt) if fmt in formats else len(formats)
-    return (rank, 0 if mode == "qat" else 1)
+def format_order(formats: Sequence[str]) -> Callable[[str], tuple]:
+    """Sort key for `kv_format_study` variants: plain ones (the reference) first, then each of
+    `formats` (the report's `config["formats"]`, in its order) with its QAT row above its PTQ."""
+
+    def key(variant: str) -> tuple:
+        if "/" not in variant:
+            return (-1, 0)
+        mode, fmt = variant.split("/")
+        rank = formats.index(fmt) if fmt in formats else len(formats)
+        return (rank, 0 if mode == "qat" else 1)
+
+    return key
 
 
 def main() -> None:
@@ -142,14 +146,15 @@ def main() -> None:
     for path in args.paths:
         report = json.loads(path.read_text())
         experiment = report["config"]["experiment"]
-        order = _kv_order if experiment == "kv_format_study" else None
+        kv_study = experiment == "kv_format_study"
+        order = format_order(report["config"]["formats"]) if kv_study else None
         seeds = sorted({r["seed"] for r in report["results"]})
         asked = report["config"]["seeds"]
         missing = "" if seeds == asked else f" of the {asked} asked for"
         print(f"{path} ({experiment}, seeds {seeds}{missing}, {report['config']['device']}):\n")
         print(table(report, order))
         print()
-        if experiment == "kv_format_study":
+        if kv_study:
             print(paired(report, report["config"]["reference"], order))
             print()
 

@@ -30,7 +30,7 @@ if [[ $stage == ablations ]]; then
   # processes side by side on one GPU time-slice it (the 2026-11-29 run with six processes made
   # tiny steps 5x slower). Run directories and the compilation cache live under runs/h200/,
   # which git ignores and the device machine keeps between calls while it stays warm: a second
-  # call right after one that the watchdog cut short resumes its runs (`train.run(resume=True)`).
+  # call right after one that the deadline cut short resumes its runs (`train.run(resume=True)`).
   # No per-run cap unless MAX_MINUTES is set: a capped run is not the study's budget.
   common=(--seeds ${SEEDS:-0 1 2} ${STEPS:+--steps $STEPS} ${WARMUP:+--dense-warmup-steps $WARMUP}
           ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} ${ABLATION_ARGS:-})

@@ -102,7 +102,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     # Resuming a finished run changes no record.
     again_resumed = train.run(SMOKE, tmp_path / "cut", progress=False, log_every=1, resume=True)
     assert again_resumed["accuracy"] == full["accuracy"]
-    assert again_resumed["resumed_from"] == 6 and again_resumed["train_seconds"] < 1
+    assert again_resumed["resumed_from"] == 6
     assert "all trained before: evaluated again" in train.summarize(SMOKE, "cut", again_resumed)
     assert train.read_metrics(tmp_path / "cut" / "metrics.jsonl") == train.read_metrics(
         tmp_path / "full" / "metrics.jsonl"
