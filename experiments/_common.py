@@ -22,10 +22,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from v41jax import config as config_lib
-from v41jax import evaluate, tasks, train
-from v41jax.cli import task_setting  # NAME=VALUE, as `v41jax train --task-set`
-from v41jax.model import Model
+from v41jax import train
+from v41jax.cli import name_value  # NAME=VALUE, as `v41jax train --task-set`
+from v41jax.nn import config as config_lib
+from v41jax.nn.model import Model
+from v41jax.train import evaluate, tasks
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_SEEDS = (0, 1, 2)
@@ -40,12 +41,11 @@ SMOKE_TRAIN = dict(
     eval_every=2,
     eval_batches=1,
     checkpoint_every=2,
-    candidate_topk_blocks=2,
-    index_topk=8,
 )
+SMOKE_MODEL = dict(candidate_topk_blocks=2, index_topk=8)
 SMOKE_TASK = {
-    "mqar": (("seq_len", 64), ("n_pairs", 4), ("n_queries", 2)),
-    "passkey": (("seq_len", 64), ("n_digits", 3)),
+    "mqar": dict(seq_len=64, n_pairs=4, n_queries=2),
+    "passkey": dict(seq_len=64, n_digits=3),
 }
 SMOKE_SEEDS = (0,)
 
@@ -59,9 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--task-set",
         action="append",
         default=[],
-        type=task_setting,
+        type=name_value,
         metavar="NAME=VALUE",
         help="override a task field, e.g. --task-set seq_len=1024",
+    )
+    parser.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        type=name_value,
+        metavar="NAME=VALUE",
+        help="override a ModelConfig field of the preset, e.g. --model-set candidate_topk_blocks=8",
     )
     parser.add_argument("--steps", type=int, help=f"optimizer steps per run ({defaults.steps})")
     parser.add_argument("--batch-size", type=int, help=f"({defaults.batch_size})")
@@ -95,23 +103,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def train_config(args: argparse.Namespace) -> train.TrainConfig:
-    """The study's base run: library defaults, then --smoke sizes, then the explicit options."""
-    fields: dict = {}
+    """The study's base run: library defaults, then --smoke sizes, then the explicit options
+    (all through `train.make_config`, as the CLI builds its runs)."""
+    base = train.TrainConfig()
     if args.smoke:
         task = args.task or "mqar"
-        fields.update(SMOKE_TRAIN, task=task, task_overrides=SMOKE_TASK[task])
-    explicit = dict(
+        base = train.make_config(
+            base,
+            task=task,
+            model_changes=SMOKE_MODEL,
+            task_changes=SMOKE_TASK[task],
+            **SMOKE_TRAIN,
+        )
+    return train.make_config(
+        base,
         preset=args.preset,
         task=args.task,
         steps=args.steps,
         batch_size=args.batch_size,
         dense_warmup_steps=args.dense_warmup_steps,
+        model_changes=dict(args.model_set),
+        task_changes=dict(args.task_set),
     )
-    fields.update({k: v for k, v in explicit.items() if v is not None})
-    if args.task_set:
-        task_fields = dict(fields.get("task_overrides", ())) | dict(args.task_set)
-        fields["task_overrides"] = tuple(task_fields.items())
-    return train.TrainConfig(**fields)
 
 
 def resolve_paths(args: argparse.Namespace, experiment: str) -> None:

@@ -34,11 +34,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from experiments import _common
+from v41jax import train
 
 NAME = "block_score_ablation"
-VARIANTS = {
-    "max": {"block_score": "max"},
-    "mean": {"block_score": "mean"},
+VARIANTS = {  # `train.make_config` changes of each variant
+    "max": {"model_changes": {"block_score": "max"}},
+    "mean": {"model_changes": {"block_score": "mean"}},
     "dense": {"attention": "dense"},
 }
 SPARSE = ("max", "mean")
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     records: list[dict] = []
     for seed in args.seeds:
         for variant, changes in VARIANTS.items():
-            cfg = base.replace(seed=seed, **changes)
+            cfg = train.make_config(base, seed=seed, **changes)
             run_dir = args.runs_dir / f"{variant}-seed{seed}"
             result = _common.train_run(cfg, run_dir, args)
             records.append({"variant": variant, "seed": seed, "run_dir": str(run_dir), **result})

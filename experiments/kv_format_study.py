@@ -32,15 +32,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from experiments import _common
-from v41jax import config as config_lib
-from v41jax import evaluate, quant, train
-from v41jax.model import Model
+from v41jax import train
+from v41jax.nn.model import Model
+from v41jax.ops import formats
+from v41jax.train import evaluate
 
 NAME = "kv_format_study"
 REFERENCE = "f32"
-FORMATS = tuple(
-    f for f in config_lib.KV_FORMATS if f != REFERENCE and not quant.FORMATS[f].accounting_only
-)
+FORMATS = tuple(f for f in formats.formats_for("kv", quantizable=True) if f != REFERENCE)
 SMOKE_FORMATS = ("nvfp4",)
 
 
@@ -90,13 +89,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         _common.write_report(json_path, config, records)
 
     for seed in args.seeds:
-        reference_cfg = base.replace(seed=seed, kv_format=REFERENCE)
+        reference_cfg = base.replace(seed=seed).with_model(kv_format=REFERENCE)
         reference_dir = args.runs_dir / f"{REFERENCE}-seed{seed}"
         reference = _common.train_run(reference_cfg, reference_dir, args)
         record(REFERENCE, seed, reference_dir, reference)
         trained = _common.load_model(reference_cfg, reference_dir)
         for fmt in args.formats:
-            cfg = base.replace(seed=seed, kv_format=fmt)
+            cfg = base.replace(seed=seed).with_model(kv_format=fmt)
             run_dir = args.runs_dir / f"qat-{fmt}-seed{seed}"
             record(f"qat/{fmt}", seed, run_dir, _common.train_run(cfg, run_dir, args))
             step = reference["step"]

@@ -1,10 +1,11 @@
 """Training throughput: tokens per second of `train.train_step` for a preset on this machine.
 
-For each (preset, attention stage) the script builds the model, times the first step
-(compilation included) and then `--steps` further steps one by one, each waited for with
-`block_until_ready`, on fresh batches of the task; the median step gives tokens/s (batch x
-seq_len / median). Wall-clock timing is right here: a training step is host-dispatched whole, and
-the figure a researcher plans with is the one their loop sees.
+For each (preset, attention stage) the script builds the model and runs the library's training
+loop (`train.train_steps`) for 1 + `--steps` steps on fresh batches of the task, waiting for each
+step's metrics in the loop's hook: the first step's time includes compilation, the median of the
+others gives tokens/s (batch x seq_len / median). Wall-clock timing is right here: a training
+step is host-dispatched whole (batch generation included), and the figure a researcher plans
+with is the one their loop sees.
 
     PYTHONPATH=. python3 experiments/train_throughput.py --out results.json
     .venv/bin/python experiments/train_throughput.py --steps 3 --batch-size 4 --out cpu.json
@@ -23,38 +24,41 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from tqdm import tqdm
 
 from experiments import _common
 from v41jax import train
-from v41jax.model import parameter_counts
+from v41jax.nn.model import parameter_counts
 
 # Per preset: the task length (several times the pool) and batch of its throughput run.
 SHAPES = {"tiny": dict(seq_len=128, batch_size=32), "small": dict(seq_len=1024, batch_size=32)}
 
 
 def measure(preset: str, dense: bool, steps: int, seq_len: int, batch_size: int) -> dict:
-    cfg = train.TrainConfig(
+    cfg = train.make_config(
         preset=preset,
         task="passkey",
-        task_overrides=(("seq_len", seq_len), ("n_digits", 1)),
+        task_changes={"seq_len": seq_len, "n_digits": 1},
         batch_size=batch_size,
         steps=steps + 1,
+        attention="dense" if dense else "sparse",
+        dense_warmup_steps=0,
     )
     model, optimizer = train.build(cfg)
-    task = cfg.make_task()
+    bar = tqdm(total=steps + 1, desc=f"{preset} dense={dense}")
+    times, clock = [], time.perf_counter()
 
-    def step(k: int) -> float:
-        b = task.batch_at(cfg.seed, k, batch_size)
-        args = [jnp.asarray(x) for x in (b.tokens, b.targets, b.loss_mask)]
-        start = time.perf_counter()
-        metrics = train.train_step(model, optimizer, *args, dense=dense, indexer_kl_weight=1.0)
+    def timed(done: int, metrics: dict) -> None:
+        nonlocal clock
         jax.block_until_ready(metrics)
-        return time.perf_counter() - start
+        now = time.perf_counter()
+        times.append(now - clock)
+        clock = now
+        bar.update(1)
 
-    first = step(0)
-    times = [step(k) for k in tqdm(range(1, steps + 1), desc=f"{preset} dense={dense}")]
+    train.train_steps(model, optimizer, cfg, cfg.make_task(), 0, steps + 1, timed)
+    bar.close()
+    first, times = times[0], times[1:]
     median = statistics.median(times)
     return {
         "preset": preset,

@@ -19,7 +19,7 @@
 # scale per 16 values ("NVFP4"), 288 bytes per 512-dim entry. The indexer keys use MXFP4
 # (E2M1, one power-of-two E8M0 scale per 32 values), and the sliding-window KV uses FP8 E4M3
 # with one power-of-two scale per 32 values. The exact rules are in `DESIGN.md` §4; everything
-# below is computed by `v41jax.quant` (fake-quant and real packing) and `v41jax.accounting`
+# below is computed by `v41jax.ops.formats` (fake-quant and real packing) and `v41jax.accounting`
 # (byte tables); the notebook only measures and draws.
 #
 # What this notebook shows:
@@ -27,7 +27,7 @@
 # 2. the quantization error of the three scale rules on three kinds of data;
 # 3. the error as the input scale sweeps 10 orders of magnitude — where the E4M3 scale of NVFP4
 #    underflows and saturates;
-# 4. the packed rows byte by byte, from real `quant.pack` output;
+# 4. the packed rows byte by byte, from real `formats.pack` output;
 # 5. what this means for KV bytes per token.
 #
 # Set `V41JAX_SMOKE=1` to run everything at a tiny size (what CI does).
@@ -42,7 +42,9 @@ import matplotlib.pyplot as plt
 import ml_dtypes
 import numpy as np
 
-from v41jax import accounting, config, quant
+from v41jax import accounting, tables
+from v41jax.nn import config
+from v41jax.ops import formats
 
 SMOKE = os.environ.get("V41JAX_SMOKE", "0") == "1"
 ROWS = 64 if SMOKE else 4096  # rows of 512 values per data set
@@ -55,11 +57,11 @@ key = jax.random.key(0)
 print(f"SMOKE={SMOKE}: {ROWS} rows x {DIM} values per data set")
 
 # The library functions run eagerly op by op; jitting them once per shape is much faster here.
-e2m1_round = jax.jit(quant.e2m1_round)
-e2m1_codes = jax.jit(quant.e2m1_codes)
-pack = jax.jit(quant.pack, static_argnames="fmt")
-unpack = jax.jit(quant.unpack, static_argnames="fmt")
-fake_quant = jax.jit(quant.fake_quant, static_argnames="fmt")
+e2m1_round = jax.jit(formats.e2m1_round)
+e2m1_codes = jax.jit(formats.e2m1_codes)
+pack = jax.jit(formats.pack, static_argnames="fmt")
+unpack = jax.jit(formats.unpack, static_argnames="fmt")
+fake_quant = jax.jit(formats.fake_quant, static_argnames="fmt")
 
 # %% [markdown]
 # ## 1. The E2M1 grid
@@ -69,12 +71,12 @@ fake_quant = jax.jit(quant.fake_quant, static_argnames="fmt")
 # lists all 16 codes; code 8 is −0.
 
 # %%
-table = np.asarray(quant.e2m1_decode_table())
+table = np.asarray(formats.e2m1_decode_table())
 for code in range(16):
     print(f"nibble {code:2d} = 0b{code:04b} -> {table[code]:+.1f}")
 
 # %% [markdown]
-# `quant.e2m1_round` rounds to the nearest grid value and saturates at ±6. A value exactly
+# `formats.e2m1_round` rounds to the nearest grid value and saturates at ±6. A value exactly
 # halfway between two neighbours goes to the one whose code is even (mantissa bit 0), which is
 # not always the smaller one: 0.75 → 1 and 1.75 → 2 round *up*, while 2.5 → 2 and 5 → 4 round
 # down. The midpoints below come from the decode table, not from a typed-in list.
@@ -137,7 +139,7 @@ datasets = {"Gaussian": gauss, "Student-t (ν=3)": student, "outlier channels": 
 def relative_mse(x, fmt, channels=None):
     """‖x − fake_quant(x)‖² / ‖x‖² over the last two axes, optionally only over `channels`
     (a bool mask of the last axis); the quantization itself always sees the whole row."""
-    err = (quant.fake_quant(x, fmt) - x) ** 2
+    err = (formats.fake_quant(x, fmt) - x) ** 2
     power = x**2
     if channels is not None:
         err, power = jnp.where(channels, err, 0.0), jnp.where(channels, power, 0.0)
@@ -210,7 +212,7 @@ sweep = jnp.asarray(scales)[:, None, None] * base
 sweep_mse = {f: np.asarray(relative_mse(sweep, f)) for f in FORMATS}
 
 e4m3 = ml_dtypes.finfo(ml_dtypes.float8_e4m3fn)
-floor = quant.FORMATS["nvfp4"].amax_floor  # 6 · 2⁻⁹, the smallest E4M3 subnormal times 6
+floor = formats.FORMATS["nvfp4"].amax_floor  # 6 · 2⁻⁹, the smallest E4M3 subnormal times 6
 nvfp4_max = float(fake_quant(jnp.full((16,), 1e30, jnp.float32), "nvfp4").max())
 group_amax = float(jnp.median(jnp.max(jnp.abs(base.reshape(-1, 16)), axis=-1)))
 print(f"E4M3: max {float(e4m3.max)}, smallest normal {float(e4m3.smallest_normal)}")
@@ -245,7 +247,7 @@ plt.show()
 #
 # ## 4. The packed rows, byte by byte
 #
-# `quant.pack` produces the real cache bytes (the official reference only simulates FP4 in
+# `formats.pack` produces the real cache bytes (the official reference only simulates FP4 in
 # BF16). A row is the element bytes first, then the scale bytes:
 # - **NVFP4**, D = 512: 256 bytes holding two E2M1 nibbles each (element 2i in the low nibble,
 #   2i+1 in the high one), then 32 E4M3 scale bytes, one per group of 16 → **288 B**;
@@ -261,12 +263,12 @@ row = jax.random.normal(jax.random.key(2), (DIM,), jnp.float32)
 packed = {f: np.asarray(pack(row[:d], f)) for f, d in row_dims.items()}
 for f, d in row_dims.items():
     same = np.array_equal(np.asarray(unpack(packed[f], f)), np.asarray(fake_quant(row[:d], f)))
-    fmt = quant.FORMATS[f]
+    fmt = formats.FORMATS[f]
     data_bytes = d * (4 if fmt.element == "e2m1" else 8) // 8
     print(
         f"{f:>5}: D={d}: {packed[f].size} bytes = {data_bytes} element bytes + "
         f"{packed[f].size - data_bytes} scale bytes (packed_row_bytes: "
-        f"{quant.packed_row_bytes(f, d)}); unpack(pack(x)) == fake_quant(x): {same}"
+        f"{formats.packed_row_bytes(f, d)}); unpack(pack(x)) == fake_quant(x): {same}"
     )
 
 # %% [markdown]
@@ -335,13 +337,13 @@ plt.show()
 fig, axes = plt.subplots(3, 1, figsize=(11, 4), sharex=True)
 for ax, (f, d) in zip(axes, row_dims.items(), strict=True):
     b = packed[f]
-    n_data = b.size - d // quant.FORMATS[f].group_size
+    n_data = b.size - d // formats.FORMATS[f].group_size
     ax.imshow(b[None, :], cmap="viridis", aspect="auto", extent=(0, b.size, 0, 1))
-    element_bits = 4 if quant.FORMATS[f].element == "e2m1" else 8
+    element_bits = 4 if formats.FORMATS[f].element == "e2m1" else 8
     for start, stop in ((0, n_data), (n_data, b.size)):
         ax.axvspan(start, stop, ymin=0, ymax=1 / 1.5, fill=False, ec="red", lw=1.5)
     ax.text(2, 1.2, f"{n_data} B elements ({element_bits}-bit)", fontsize=8)
-    scale_name = quant.FORMATS[f].scale.upper()
+    scale_name = formats.FORMATS[f].scale.upper()
     ax.text(b.size + 4, 0.5, f"{b.size - n_data} B {scale_name} scales", va="center", fontsize=8)
     ax.set_yticks([])
     ax.set_ylabel(f"{f}\nD={d}\n{b.size} B", rotation=0, ha="right", va="center", fontsize=8)
@@ -360,9 +362,9 @@ plt.show()
 # ratio 2, the candidate source with ratio 1): 890 B per token of context.
 
 # %%
-print(accounting.render_kv_sources("V4.1-Flash", config.v41_flash()))
+print(tables.render_kv_sources("V4.1-Flash", config.v41_flash()))
 print()
-print(accounting.render_storage_steps(accounting.storage_steps(), accounting.DEFAULT_CONTEXT))
+print(tables.render_storage_steps(accounting.storage_steps(), accounting.DEFAULT_CONTEXT))
 
 # %% [markdown]
 # The same V4.1-Flash layout with the other main-KV formats (the index keys stay MXFP4): FP4
@@ -401,4 +403,4 @@ plt.show()
 # The toy preset used for training in the other notebooks, for scale:
 
 # %%
-print(accounting.render_kv_sources("tiny", config.tiny()))
+print(tables.render_kv_sources("tiny", config.tiny()))

@@ -25,7 +25,7 @@
 #
 # This notebook trains the toy model briefly (`v41jax.train.run`), then looks at one passkey
 # example from the inside (`Model.run(..., diagnostics=True)`) and at held-out batches through
-# `v41jax.evaluate`:
+# `v41jax.train.evaluate`:
 # 1. which blocks the candidate source keeps for each query;
 # 2. where each Reindex layer picks, inside the pool;
 # 3. the indexer's scores against the layer's own dense attention, for one query;
@@ -47,7 +47,8 @@ from flax import nnx
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from v41jax import evaluate, train
+from v41jax import train
+from v41jax.train import evaluate
 
 SMOKE = os.environ.get("V41JAX_SMOKE", "0") == "1"
 cfg = train.TrainConfig.smoke() if SMOKE else train.TrainConfig()

@@ -38,7 +38,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Image, display
 
-from v41jax import evaluate, train
+from v41jax import train
+from v41jax.train import evaluate
 
 SMOKE = os.environ.get("V41JAX_SMOKE", "0") == "1"
 REPO = Path(train.__file__).resolve().parents[1]  # the repository of this checkout

@@ -8,8 +8,10 @@ from fractions import Fraction
 
 import pytest
 
-from v41jax import accounting, config, quant
-from v41jax.config import Role
+from v41jax import accounting
+from v41jax.nn import config
+from v41jax.nn.config import Role
+from v41jax.ops import formats
 
 MIB = 2**20
 
@@ -158,7 +160,7 @@ def test_pool_covers_short_contexts():
 def test_kv_format_changes_main_bytes_only(v41):
     cfg = config.v41_flash().replace(kv_format="bf16")
     kv = accounting.kv_bytes_per_token(cfg)
-    assert accounting.main_row_bytes(cfg) == quant.packed_row_bytes("bf16", 512) == 1024
+    assert accounting.main_row_bytes(cfg) == formats.packed_row_bytes("bf16", 512) == 1024
     assert kv.main_bytes == Fraction(5, 2) * 1024 == v41.main_bytes * 1024 / 288
     assert kv.index_bytes == v41.index_bytes
 

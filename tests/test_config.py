@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from v41jax import config
-from v41jax.config import PRESETS, ModelConfig, Role, layer_plan
+from v41jax.nn import config
+from v41jax.nn.config import PRESETS, ModelConfig, Role, layer_plan
 
 V41_FULL = (2, 8, 14, 20)
 V41_REINDEX = (24, 28, 32, 36)

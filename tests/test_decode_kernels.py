@@ -40,10 +40,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from v41jax import config, model, scoring
-from v41jax.attention import KERNEL_IMPLEMENTATIONS, SharedState, check_kernel_config
-from v41jax.cache import Cache, init_cache
-from v41jax.config import Role
+from v41jax.nn import config, model
+from v41jax.nn.cache import Cache, init_cache
+from v41jax.nn.config import Role
+from v41jax.nn.dispatch import KERNEL_IMPLEMENTATIONS, check_kernel_config
+from v41jax.nn.selection import SharedState
+from v41jax.ops import scoring
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")

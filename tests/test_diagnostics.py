@@ -1,4 +1,4 @@
-"""`v41jax.diagnostics` against plain numpy loops (DESIGN §7 metrics)."""
+"""`v41jax.train.diagnostics` against plain numpy loops (DESIGN §7 metrics)."""
 
 import jax
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from v41jax.diagnostics import (
+from v41jax.train.diagnostics import (
     DEFAULT_DISTANCE_EDGES,
     Fraction,
     attention_mass_covered,

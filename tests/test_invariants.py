@@ -7,10 +7,11 @@ import pytest
 from flax import nnx
 from jax.experimental import checkify
 
-from v41jax import config, model
-from v41jax.invariants import check_finite, check_selection
-from v41jax.pool import select_candidate_blocks
-from v41jax.scoring import topk_indices
+from v41jax.nn import config, model
+from v41jax.ops.checks import check_finite
+from v41jax.ops.invariants import check_selection
+from v41jax.ops.pool import select_candidate_blocks
+from v41jax.ops.scoring import topk_indices
 
 BLOCK = 4
 
@@ -76,10 +77,10 @@ def test_corruption_is_reported(corrupt, message):
 
 
 def test_check_finite():
-    error, _ = jax.jit(checkify.checkify(lambda x: check_finite("logits", x)))(
+    error, _ = jax.jit(checkify.checkify(lambda x: check_finite(x, "logits")))(
         jnp.array([1.0, jnp.nan])
     )
-    assert "logits: non-finite" in error.get()
+    assert "logits: expected finite values, got 1 non-finite" in error.get()
 
 
 def test_debug_mode_runs_prefill_and_decode():

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from v41jax import accounting, config, model, quant
-from v41jax.attention import window_slot_valid
-from v41jax.cache import global_kv_bytes_per_token, init_cache
-from v41jax.config import Role
+from pallas_kernels import pooled_scoring, sparse_attention
+from v41jax import accounting
+from v41jax.nn import config, model
+from v41jax.nn.cache import global_kv_bytes_per_token, init_cache, window_slot_valid
+from v41jax.nn.config import Role
+from v41jax.ops import formats
 
 
 def _model(cfg, seed=0):
@@ -153,8 +155,8 @@ def test_prefill_matches_decode_over_packed_fp4_cache(tiny_model, batch, seq, pr
         ):
             if getattr(a, name) is None:
                 continue
-            va = np.asarray(quant.unpack(getattr(a, name), fmt, dim))[full]
-            vb = np.asarray(quant.unpack(getattr(b, name), fmt, dim))[full]
+            va = np.asarray(formats.unpack(getattr(a, name), fmt, dim))[full]
+            vb = np.asarray(formats.unpack(getattr(b, name), fmt, dim))[full]
             same = va == vb
             assert same.mean() > 0.95, (plan.layer, name, same.mean())
             # A flip moves a value to a neighbour on its grid (at most 4 -> 6 at E2M1's top),
@@ -177,19 +179,19 @@ def test_cache_holds_packed_rows_of_the_configured_formats(tiny_model):
         assert layer.window.shape == (
             2,
             cfg.window_size,
-            quant.packed_row_bytes("fp8", cfg.head_dim),
+            formats.packed_row_bytes("fp8", cfg.head_dim),
         )
         if plan.role is Role.FULL:
             r = plan.compress_ratio
             assert layer.main_kv.shape == (
                 2,
                 64 // r,
-                quant.packed_row_bytes("nvfp4", cfg.head_dim),
+                formats.packed_row_bytes("nvfp4", cfg.head_dim),
             )
             assert layer.index_k.shape == (
                 2,
                 64 // r,
-                quant.packed_row_bytes("mxfp4", cfg.index_head_dim),
+                formats.packed_row_bytes("mxfp4", cfg.index_head_dim),
             )
         else:
             assert layer.main_kv is None and layer.index_k is None
@@ -253,9 +255,13 @@ def test_bad_input_errors(tiny_model):
 
 
 def test_implementation_switches_default_to_xla():
-    from v41jax import sparse_attention
-
-    for fn in (model.prefill, model.decode_step, sparse_attention.sparse_attention):
+    switches = (
+        model.prefill,
+        model.decode_step,
+        pooled_scoring.pooled_scores,
+        sparse_attention.fp4_sparse_attention,
+    )
+    for fn in switches:
         assert inspect.signature(fn).parameters["implementation"].default == "xla", fn
 
 

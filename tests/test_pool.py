@@ -1,4 +1,4 @@
-"""`v41jax.pool` against a plain numpy loop (DESIGN §3 step 3, `v41_architecture.md` §4)."""
+"""`v41jax.ops.pool` against a plain numpy loop (DESIGN §3 step 3, `v41_architecture.md` §4)."""
 
 import math
 
@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from v41jax.pool import (
+from v41jax.ops.pool import (
     BLOCK_REDUCERS,
     CandidatePool,
     pool_mask_from_block_ids,
     select_candidate_blocks,
 )
-from v41jax.scoring import topk_indices
+from v41jax.ops.scoring import topk_indices
 
 SETTINGS = settings(deadline=None, max_examples=40)
 select_jit = jax.jit(select_candidate_blocks, static_argnums=(2, 3, 4))

@@ -1,4 +1,5 @@
-"""Pooled indexer scoring: every implementation against the reference (DESIGN §6.1).
+"""Pooled indexer scoring: every implementation against the op's definition (DESIGN §6.1),
+`v41jax.ops.pool.pooled_scores` (and `full_scan_topk`, what the official code does).
 
 One parameterized suite runs each implementation on fresh random inputs: ragged lengths, −1
 padding, ids past the cache, a cache length that is not a multiple of 8, head counts 1, 3, 4,
@@ -15,39 +16,35 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
 
-from pallas_kernels.pooled_scoring import (
-    full_scan_reference,
+from pallas_kernels.pooled_scoring import pooled_scores
+from pallas_kernels.pooled_scoring.kernel_mgpu import TuningConfig, kernel_queries, permute_dims
+from v41jax.ops import formats
+from v41jax.ops.pool import (
+    full_scan_topk,
     pool_positions,
     pool_topk_from_scores,
-    pooled_scores,
-    pooled_scores_reference,
-    pooled_topk_reference,
+    pooled_topk,
 )
-from pallas_kernels.pooled_scoring.kernel_mgpu import TuningConfig, kernel_queries, permute_dims
-from v41jax import quant
+from v41jax.ops.pool import pooled_scores as pooled_scores_definition
 
 ON_GPU = jax.default_backend() == "gpu"
 # On the CPU the kernel runs interpreted (small tiles keep several CTAs and a pipeline refill
 # in a small pool); on the GPU compiled with its default tuning.
 CPU_IMPLEMENTATIONS = [
     pytest.param("xla", {}, id="xla"),
-    pytest.param(
-        "pallas", {"interpret": True, "config": TuningConfig(4, 2)}, id="pallas-interpret"
-    ),
+    pytest.param("pallas_interpret", {"config": TuningConfig(4, 2)}, id="pallas-interpret"),
 ]
 GPU_IMPLEMENTATIONS = [pytest.param("pallas", {}, id="pallas-mgpu")]
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 
 # Jitted once per shape: eager dispatch of the format code would dominate the CPU run time.
-pack_mxfp4 = jax.jit(functools.partial(quant.pack, fmt="mxfp4"))
-fake_quant = jax.jit(quant.mxfp4_fake_quant)
-reference_scores = jax.jit(pooled_scores_reference)
-reference_topk = jax.jit(pooled_topk_reference, static_argnums=5)
-full_scan = jax.jit(full_scan_reference, static_argnums=5)
+pack_mxfp4 = jax.jit(functools.partial(formats.pack, fmt="mxfp4"))
+fake_quant = jax.jit(formats.mxfp4_fake_quant)
+reference_scores = jax.jit(pooled_scores_definition)
+reference_topk = jax.jit(pooled_topk, static_argnums=5)
+full_scan = jax.jit(full_scan_topk, static_argnums=5)
 topk_from_scores = jax.jit(pool_topk_from_scores, static_argnums=2)
-scores_of = jax.jit(
-    pooled_scores, static_argnames=("implementation", "topk", "config", "interpret")
-)
+scores_of = jax.jit(pooled_scores, static_argnames=("implementation", "topk", "config"))
 # The CPU cases share these shapes (so they share compilations): 203 positions is not a
 # multiple of 8; 13 blocks make a partial 8-block tile and two CTAs per query.
 CPU_SHAPE = {"batch": 4, "n_pos": 203, "n_blocks": 13}
@@ -105,9 +102,9 @@ def assert_same_selection(got, want, scores, positions, tol):
         np.testing.assert_array_equal(got[b][: len(g)], np.sort(got[b][: len(g)]))
 
 
-def assert_no_races(options):
+def assert_no_races(implementation):
     """The interpreter's race detector (on in `kernel_mgpu`) found no race."""
-    if options.get("interpret"):
+    if implementation == "pallas_interpret":
         assert not mgpu_interpret.get_races().races_found
 
 
@@ -116,7 +113,7 @@ def run_case(implementation, options, *, seed, n_heads, topk, **shape):
     want = reference_scores(*inputs)
     got = scores_of(*inputs, implementation=implementation, **options)
     assert_scores_match(got, want)
-    assert_no_races(options)
+    assert_no_races(implementation)
 
     picks = topk_from_scores(got, inputs[3], topk)
     full = full_scan(*inputs, topk)
@@ -146,7 +143,7 @@ def test_empty_pools_and_determinism(implementation, options, shape=None):
     second = scores_of(*inputs, implementation=implementation, topk=16, **options)
     jax.tree.map(np.testing.assert_array_equal, first, second)
     assert (np.asarray(first.indices[1]) == -1).all()
-    assert_no_races(options)
+    assert_no_races(implementation)
 
 
 @pytest.mark.parametrize(("implementation", "options"), CPU_IMPLEMENTATIONS)
@@ -176,7 +173,7 @@ def test_vjp_matches_reference(implementation, options, shape=None):
 def test_references_agree_with_a_loop():
     """The reference against a plain numpy loop over the pool (one small case)."""
     k_packed, q, weights, ids, lengths = make_inputs(3, batch=3, n_pos=37, n_heads=2, n_blocks=6)
-    keys = np.asarray(quant.unpack(k_packed, "mxfp4", 128), np.float64)
+    keys = np.asarray(formats.unpack(k_packed, "mxfp4", 128), np.float64)
     want = np.full((*ids.shape, 8), -np.inf)
     for b, i, j in np.ndindex(*want.shape):
         p = ids[b, i] * 8 + j
@@ -218,6 +215,8 @@ def test_rejects_unsupported_arguments():
     inputs = make_inputs(0, n_heads=1, **CPU_SHAPE)
     with pytest.raises(ValueError, match="implementation"):
         pooled_scores(*inputs, implementation="triton")
+    with pytest.raises(ValueError, match="'pallas_interpret'"):
+        pooled_scores(*inputs, implementation="pallas_mgpu")
     bf16_rows = jnp.zeros((4, 203, 256), jnp.uint8)
     with pytest.raises(ValueError, match="mxfp4"):
         pooled_scores(bf16_rows, *inputs[1:], fmt="bf16", implementation="pallas")

@@ -1,4 +1,4 @@
-"""`v41jax.scoring` against plain numpy loops (DESIGN §3 steps 2–3)."""
+"""`v41jax.ops.scoring` against plain numpy loops (DESIGN §3 steps 2–3)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from v41jax.scoring import index_scores, indices_to_mask, topk, topk_indices
+from v41jax.ops.scoring import index_scores, indices_to_mask, topk, topk_indices
 
 SETTINGS = settings(deadline=None, max_examples=20)
 topk_jit = jax.jit(topk, static_argnums=1)

@@ -1,13 +1,14 @@
-"""FP4-dequant sparse attention kernels against their reference (DESIGN §6, kernel 2).
+"""FP4-dequant sparse attention kernels against the op's definition (DESIGN §6, kernel 2).
 
-One parameterized base runs every implementation of `fp4_sparse_attention` against
-`fp4_sparse_attention_reference` on fresh random data: on CPU the Pallas kernels run in interpret
-mode at small sizes (outputs start as NaN there, so an unwritten element fails), on a GPU
-(`-m gpu`) at the real V4.1 size, 64 heads × 512. The inline-PTX decode of the Mosaic GPU kernel
-cannot run on CPU; its PTX programs are executed here instruction by instruction in numpy and
-checked bit for bit against `quant.unpack`.
+One parameterized base runs every backend of `fp4_sparse_attention` against
+`v41jax.ops.attention.packed_sparse_attention` on fresh random data: on CPU the Pallas kernels run
+interpreted ('pallas_interpret') at small sizes (outputs start as NaN there, so an unwritten
+element fails), on a GPU (`-m gpu`) at the real V4.1 size, 64 heads × 512. The inline-PTX
+decode of the Mosaic GPU kernel cannot run on CPU; its PTX programs are executed here
+instruction by instruction in numpy and checked bit for bit against `formats.unpack`.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -17,20 +18,33 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_attention import api, sparse_attention_mgpu
-from pallas_kernels.sparse_attention.reference import (
-    bf16_cache_attention,
-    fp4_sparse_attention_reference,
-    unpacked_caches,
-)
-from v41jax import quant
+from pallas_kernels.sparse_attention import api, kernel_mgpu
+from pallas_kernels.sparse_attention.bench import bf16_cache_attention, unpacked_caches
+from v41jax.ops import formats
+from v41jax.ops.attention import packed_sparse_attention
 
 ON_GPU = jax.default_backend() == "gpu"
-KERNELS = ("pallas_mgpu", "pallas_triton")
+KERNELS = tuple(api.BACKENDS)  # 'mgpu', 'triton'
+# The kernels compiled on a GPU, interpreted on the CPU: the same test bodies run both ways.
+KERNEL_IMPLEMENTATION = "pallas" if ON_GPU else "pallas_interpret"
 
 
-_pack = jax.jit(quant.pack, static_argnums=1)
-_reference = jax.jit(fp4_sparse_attention_reference)
+_pack = jax.jit(formats.pack, static_argnums=1)
+_reference = jax.jit(packed_sparse_attention)
+
+
+def attention_fn(backend: str, **kwargs):
+    """`fp4_sparse_attention` through `backend` ('xla', or a kernel run as
+    `KERNEL_IMPLEMENTATION`), with `kwargs` bound."""
+    if backend == "xla":
+        return functools.partial(api.fp4_sparse_attention, implementation="xla", **kwargs)
+    config = kwargs.pop("config", api.Config())
+    return functools.partial(
+        api.fp4_sparse_attention,
+        implementation=KERNEL_IMPLEMENTATION,
+        config=dataclasses.replace(config, backend=backend),
+        **kwargs,
+    )
 
 
 def make_case(seed, batch, heads, dim, n_kv, topk, window, *, empty_row=False, dtype=jnp.bfloat16):
@@ -41,7 +55,7 @@ def make_case(seed, batch, heads, dim, n_kv, topk, window, *, empty_row=False, d
 
     def packed(n, fmt):
         if not n:
-            return jnp.zeros((batch, 0, quant.packed_row_bytes(fmt, dim)), jnp.uint8)
+            return jnp.zeros((batch, 0, formats.packed_row_bytes(fmt, dim)), jnp.uint8)
         rows = rng.normal(size=(batch, n, dim)) * 2.0 ** rng.uniform(-2, 2, (batch, n, 1))
         return _pack(jnp.asarray(rows, jnp.float32), fmt)
 
@@ -80,18 +94,14 @@ def rel_err(out, ref):
     return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
-def check_against_reference(case, implementation, *, interpret):
-    """The implementation's output against the float32 reference on the same inputs: bf16 q for
-    the kernels (their operand type; the reference widens it exactly), float32 q for 'xla'."""
+def check_against_reference(case, implementation):
+    """The backend's output against the float32 definition on the same inputs: bf16 q for the
+    kernels (their operand type; the definition widens it exactly), float32 q for 'xla'."""
     spec = dict(case)
     if implementation == "xla":
         spec["dtype"] = jnp.float32
     args = make_case(0, **spec)
-    attend = jax.jit(
-        functools.partial(
-            api.fp4_sparse_attention, implementation=implementation, interpret=interpret
-        )
-    )
+    attend = jax.jit(attention_fn(implementation))
     out = attend(*args)
     ref = _reference(*args)
     assert out.shape == ref.shape and out.dtype == args[0].dtype
@@ -108,7 +118,7 @@ def check_against_reference(case, implementation, *, interpret):
 @pytest.mark.parametrize("implementation", ("xla", *KERNELS))
 def test_matches_reference_small(implementation, case):
     """Edge cases at small sizes: interpreted on CPU, compiled on a GPU."""
-    check_against_reference(CPU_CASES[case], implementation, interpret=not ON_GPU)
+    check_against_reference(CPU_CASES[case], implementation)
 
 
 @pytest.mark.gpu
@@ -116,7 +126,7 @@ def test_matches_reference_small(implementation, case):
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @pytest.mark.parametrize("implementation", KERNELS)
 def test_matches_reference_gpu(implementation, case):
-    attend, args, out = check_against_reference(GPU_CASES[case], implementation, interpret=False)
+    attend, args, out = check_against_reference(GPU_CASES[case], implementation)
     again = attend(*args)  # deterministic: the same bits twice
     np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))
 
@@ -126,10 +136,8 @@ def test_split_kv_matches_reference(splits):
     """Split-KV: CTAs over shares of the chunks, merged by log-sum-exp (the sink in split 0)."""
     for case in ("ragged", "empty_row"):
         args = make_case(7, **CPU_CASES[case])
-        config = api.Config(mgpu=sparse_attention_mgpu.TuningConfig(splits=splits))
-        out = api.fp4_sparse_attention(
-            *args, implementation="pallas_mgpu", config=config, interpret=not ON_GPU
-        )
+        config = api.Config(mgpu=kernel_mgpu.TuningConfig(splits=splits))
+        out = attention_fn("mgpu", config=config)(*args)
         assert rel_err(out, _reference(*args)) <= 1e-2
         if case == "empty_row":
             assert np.all(np.asarray(out[0]) == 0)
@@ -139,12 +147,10 @@ def test_split_kv_matches_reference(splits):
 def test_vjp_is_the_reference_vjp(implementation):
     q, kv, indices, win, valid, sink = make_case(1, **CPU_CASES["ragged"], dtype=jnp.float32)
     cotangent = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
-    attend = functools.partial(
-        api.fp4_sparse_attention, implementation=implementation, interpret=not ON_GPU
-    )
+    attend = attention_fn(implementation)
     _, vjp = jax.vjp(lambda q, s: attend(q, kv, indices, win, valid, s), q, sink)
     _, vjp_ref = jax.vjp(
-        lambda q, s: fp4_sparse_attention_reference(q, kv, indices, win, valid, s), q, sink
+        lambda q, s: packed_sparse_attention(q, kv, indices, win, valid, s), q, sink
     )
     for got, want in zip(vjp(cotangent), vjp_ref(cotangent), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -154,7 +160,7 @@ def test_bf16_cache_baseline_matches_reference():
     q, kv, indices, win, valid, sink = make_case(3, **CPU_CASES["ragged"])
     kv_bf16, win_bf16 = unpacked_caches(kv, win, q.shape[-1])
     out = bf16_cache_attention(q, kv_bf16, indices, win_bf16, valid, sink)
-    assert rel_err(out, fp4_sparse_attention_reference(q, kv, indices, win, valid, sink)) < 1e-2
+    assert rel_err(out, packed_sparse_attention(q, kv, indices, win, valid, sink)) < 1e-2
 
 
 def test_errors_name_the_argument():
@@ -251,29 +257,27 @@ def assert_same_values(got, want):
 
 def test_ptx_nvfp4_decode_is_bit_exact():
     """E4M3_SCALES_PTX + E2M1_PTX on packed rows (every nibble and scale byte, NaN scales too)
-    equal `quant.unpack`, the sign of zero included."""
+    equal `formats.unpack`, the sign of zero included."""
     dim, rng = 512, np.random.default_rng(5)
-    rows = rng.integers(0, 256, (512, quant.packed_row_bytes("nvfp4", dim)), dtype=np.uint8)
+    rows = rng.integers(0, 256, (512, formats.packed_row_bytes("nvfp4", dim)), dtype=np.uint8)
     rows[:256, dim // 2] = np.arange(256)  # every E4M3 scale byte, 0x7F/0xFF (NaN) included
-    values = np.asarray(quant.pack(jnp.asarray(rng.normal(size=(64, dim)) * 1e3), "nvfp4"))
+    values = np.asarray(formats.pack(jnp.asarray(rng.normal(size=(64, dim)) * 1e3), "nvfp4"))
     rows[-64:] = values
     nibbles, scales = _words(rows[:, : dim // 2]), _words(rows[:, dim // 2 :])
-    pairs = np.stack(run_ptx(sparse_attention_mgpu.E4M3_SCALES_PTX, 4, scales), -1)
+    pairs = np.stack(run_ptx(kernel_mgpu.E4M3_SCALES_PTX, 4, scales), -1)
     got = []
     for k in range(dim // 8):  # word k: dims 8k..8k+7, scale of group 16 → pair k // 2
-        got += run_ptx(
-            sparse_attention_mgpu.E2M1_PTX, 4, nibbles[:, k], pairs[:, k // 8, k % 8 // 2]
-        )
+        got += run_ptx(kernel_mgpu.E2M1_PTX, 4, nibbles[:, k], pairs[:, k // 8, k % 8 // 2])
     got = _bf16(np.stack(got, -1))
-    assert_same_values(got, quant.unpack(rows, "nvfp4", dim))
+    assert_same_values(got, formats.unpack(rows, "nvfp4", dim))
 
 
 def test_ptx_fp8_window_decode_is_bit_exact():
     """UE8M0_PTX + E4M3_PTX on window rows (every E4M3 byte, NaN codes, scale 0xFF) equal
-    `quant.unpack`. Scale bytes start at 10: below, products fall under bf16's normal range
+    `formats.unpack`. Scale bytes start at 10: below, products fall under bf16's normal range
     (`pack` writes E >= 105, its 1e-4 amax floor), and byte 0 decodes to zero by design."""
     dim, rng = 256, np.random.default_rng(6)
-    rows = rng.integers(0, 256, (256, quant.packed_row_bytes("fp8", dim)), dtype=np.uint8)
+    rows = rng.integers(0, 256, (256, formats.packed_row_bytes("fp8", dim)), dtype=np.uint8)
     rows[:, :256] = np.arange(256)[None, :]  # every element byte in every row
     rows[:, dim:] = np.clip(rows[:, dim:], 10, 255)
     rows[:8, dim] = 0xFF
@@ -283,9 +287,9 @@ def test_ptx_fp8_window_decode_is_bit_exact():
         pair = (
             scales[:, 2 * piece].astype(np.uint32) | scales[:, 2 * piece + 1].astype(np.uint32) << 8
         )
-        factors = run_ptx(sparse_attention_mgpu.UE8M0_PTX, 2, pair)
+        factors = run_ptx(kernel_mgpu.UE8M0_PTX, 2, pair)
         for j in range(16):
             word = data[:, 16 * piece + j]
-            got += run_ptx(sparse_attention_mgpu.E4M3_PTX, 2, word, factors[j // 8])
+            got += run_ptx(kernel_mgpu.E4M3_PTX, 2, word, factors[j // 8])
     got = _bf16(np.stack(got, -1))
-    assert_same_values(got, quant.unpack(rows, "fp8", dim))
+    assert_same_values(got, formats.unpack(rows, "fp8", dim))

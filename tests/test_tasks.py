@@ -1,4 +1,4 @@
-"""`v41jax.tasks`: every answer recomputed from the tokens by a plain loop (DESIGN §7)."""
+"""`v41jax.train.tasks`: every answer recomputed from the tokens by a plain loop (DESIGN §7)."""
 
 import dataclasses
 import doctest
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from v41jax import tasks
-from v41jax.config import tiny
-from v41jax.tasks import BOS, KEY_MARKER, PAD, QUERY, TASKS, Batch, make_task
+from v41jax.nn.config import tiny
+from v41jax.train import tasks
+from v41jax.train.tasks import BOS, KEY_MARKER, PAD, QUERY, TASKS, Batch, make_task
 
 SETTINGS = settings(deadline=None, max_examples=30)
 POOL = tiny().candidate_pool_size

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from v41jax import evaluate, train
+from v41jax import train
+from v41jax.train import evaluate
 
 # Small enough to compile and run in seconds on 2 CPU cores; the pool (2 blocks of 8) still bites.
 SMOKE = train.TrainConfig(
@@ -19,9 +20,8 @@ SMOKE = train.TrainConfig(
     eval_batches=1,
     checkpoint_every=3,
     dense_warmup_steps=2,
-    task_overrides=(("seq_len", 64), ("n_pairs", 4), ("n_queries", 2)),
-    candidate_topk_blocks=2,
-    index_topk=8,
+    task_overrides={"seq_len": 64, "n_pairs": 4, "n_queries": 2},
+    model_overrides={"candidate_topk_blocks": 2, "index_topk": 8},
 )
 
 
@@ -62,7 +62,7 @@ def test_indexer_kl_reaches_only_the_indexer_and_task_loss_never_does(dense):
 
 
 def test_kl_loss_is_zero_when_the_indexer_matches_the_attention():
-    from v41jax.attention import indexer_kl
+    from v41jax.nn.indexer import indexer_kl
 
     rng = np.random.default_rng(0)
     probs = jnp.asarray(rng.random((3, 2, 5)), jnp.float32)  # [rows, heads, keys]
@@ -154,7 +154,7 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(train, "train_step", interrupted)
+    monkeypatch.setattr(train.trainer, "train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.run(SMOKE, tmp_path / "run", progress=False)
     assert (tmp_path / "run" / "checkpoints" / "1").exists()
@@ -166,7 +166,7 @@ def test_bad_train_config_names_the_field():
     with pytest.raises(ValueError, match=r"TrainConfig\.attention"):
         SMOKE.replace(attention="full")
     with pytest.raises(ValueError, match=r"ModelConfig\.kv_format"):
-        SMOKE.replace(kv_format="fp4")
+        SMOKE.with_model(kv_format="fp4")
     with pytest.raises(ValueError, match="seq_len"):
         SMOKE.replace(task_overrides=(("seq_len", 4),))
     assert train.TrainConfig.from_json(json.loads(json.dumps(SMOKE.to_json()))) == SMOKE

@@ -17,9 +17,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from v41jax import accounting
-from v41jax import config as config_lib
-from v41jax.config import PRESETS, preset
+from v41jax import accounting, tables
+from v41jax.nn.config import PRESETS, preset
+from v41jax.ops import formats
+from v41jax.ops.pool import BLOCK_REDUCERS
 
 
 def _context(text: str) -> int:
@@ -37,35 +38,34 @@ def _bytes(args: argparse.Namespace) -> int:
         summary = accounting.config_summary(preset(args.preset), context)
         text = json.dumps({"context": context, "presets": {args.preset: summary}}, indent=2)
     elif args.preset is None:
-        text = accounting.render_seed_report(context, per_layer=per_layer)
+        text = tables.render_seed_report(context, per_layer=per_layer)
     else:
-        text = accounting.render_config(args.preset, preset(args.preset), context, per_layer)
+        text = tables.render_config(args.preset, preset(args.preset), context, per_layer)
     print(text)
     return 0
 
 
 def _params(args: argparse.Namespace) -> int:
-    from v41jax.model import parameter_counts  # imports flax; `bytes` stays light
+    from v41jax.nn.model import parameter_counts  # imports flax; `bytes` stays light
 
     names = args.preset or ["tiny", "small", "v41_flash"]
     counts = {name: parameter_counts(preset(name)) for name in names}
     if args.json:
         print(json.dumps(counts, indent=2))
         return 0
-    keys = sorted({k for c in counts.values() for k in c}, key=_param_row_order)
-    width = max(len(k) for k in keys)
-    print("parameters (counted abstractly with nnx.eval_shape; nothing is allocated)")
-    print("  " + " " * width + "".join(f"{n:>16}" for n in names))
-    for key in keys:
-        print(f"  {key:<{width}}" + "".join(f"{counts[n].get(key, 0):>16,}" for n in names))
-    print("  v41_flash's FFN is a dense placeholder: the real model's MoE is out of scope.")
+    print(tables.render_parameter_counts(counts))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
     from v41jax import train  # imports jax/flax; `bytes` stays light
 
-    overrides = dict(
+    model = dict(args.model_set) | {
+        "kv_format": args.kv_format,
+        "index_format": args.index_format,
+        "block_score": args.block_score,
+    }
+    cfg = train.make_config(
         preset=args.preset,
         task=args.task,
         steps=args.steps,
@@ -73,14 +73,10 @@ def _train(args: argparse.Namespace) -> int:
         learning_rate=args.lr,
         attention=args.attention,
         seed=args.seed,
-        kv_format=args.kv_format,
-        index_format=args.index_format,
-        block_score=args.block_score,
-        task_overrides=tuple(task_setting(s) for s in args.task_set),
+        dense_warmup_steps=args.dense_warmup_steps,
+        model_changes=model,
+        task_changes=dict(args.task_set),
     )
-    if args.dense_warmup_steps is not None:
-        overrides["dense_warmup_steps"] = args.dense_warmup_steps
-    cfg = train.TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
     out = args.out or _default_run_dir(cfg)
     print(f"training {cfg.preset} on {cfg.task} for {cfg.steps} steps -> {out}")
     print(cfg.make_task().describe())
@@ -100,11 +96,12 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def task_setting(text: str) -> tuple[str, object]:
-    """Parses NAME=VALUE (`--task-set`); VALUE is JSON when it parses as JSON, else a string."""
+def name_value(text: str) -> tuple[str, object]:
+    """Parses NAME=VALUE (`--task-set`, `--model-set`); VALUE is JSON when it parses as JSON,
+    else a string."""
     name, sep, value = text.partition("=")
     if not sep or not name:
-        raise argparse.ArgumentTypeError(f"--task-set: expected NAME=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     try:
         return name, json.loads(value)
     except json.JSONDecodeError:
@@ -113,11 +110,6 @@ def task_setting(text: str) -> tuple[str, object]:
 
 def _default_run_dir(cfg) -> str:
     return os.path.join("runs", f"{cfg.preset}-{cfg.task}-{cfg.attention}-seed{cfg.seed}")
-
-
-def _param_row_order(key: str) -> tuple[int, str]:
-    order = {"attention": 0, "ffn": 2, "embed_and_head": 3, "total": 4}
-    return (order.get(key, 1), key)
 
 
 def _add_bytes_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,8 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--task-set",
         action="append",
         default=[],
+        type=name_value,
         metavar="NAME=VALUE",
         help="override a task field, e.g. --task-set seq_len=512 --task-set n_pairs=8",
+    )
+    train_parser.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        type=name_value,
+        metavar="NAME=VALUE",
+        help="override a ModelConfig field of the preset, e.g. --model-set candidate_topk_blocks=8",
     )
     train_parser.add_argument("--steps", type=int, help=f"optimizer steps ({defaults.steps})")
     train_parser.add_argument("--batch-size", type=int, help=f"({defaults.batch_size})")
@@ -205,10 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sparse (pool + top-k) or the dense baseline",
     )
     train_parser.add_argument(
-        "--kv-format", choices=config_lib.KV_FORMATS[:-1], help="main KV (nvfp4)"
+        "--kv-format", choices=formats.formats_for("kv", quantizable=True), help="main KV (nvfp4)"
     )
-    train_parser.add_argument("--index-format", choices=config_lib.INDEX_FORMATS, help="(mxfp4)")
-    train_parser.add_argument("--block-score", choices=config_lib.BLOCK_SCORES, help="(max)")
+    train_parser.add_argument(
+        "--index-format", choices=formats.formats_for("index", quantizable=True), help="(mxfp4)"
+    )
+    train_parser.add_argument("--block-score", choices=tuple(BLOCK_REDUCERS), help="(max)")
     train_parser.add_argument("--seed", type=int, help="init and data seed (0)")
     train_parser.add_argument(
         "--out", help="run directory (runs/<preset>-<task>-<attention>-seed<N>)"

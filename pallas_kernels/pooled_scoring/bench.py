@@ -2,14 +2,14 @@
 
     PYTHONPATH=. python3 -m pallas_kernels.pooled_scoring.bench   # prints the JSON
 
-`run(...)` times, with CUPTI device timing (`jax.experimental.mosaic.gpu.profiler.measure`), after a
-warm-up, on several fresh random data sets (never zeros), medians over all runs:
+`run(...)` times, with the project's device timer (`pallas_kernels.timing.measure`: CUPTI,
+warm-up, medians), on several fresh random data sets (never zeros):
 
 - the Mosaic GPU kernel: scores only, and scores + XLA top-k (the `pooled_scores` API);
-- (a) `full_scan_reference`: the official approach (dequantize and score all S keys, mask, top-k
-  over all S);
-- (b) `pooled_topk_reference`: XLA gather of the pool + einsum + top-k over the pool (and its
-  scores alone).
+- (a) `ops.pool.full_scan_topk`: the official approach (dequantize and score all S keys, mask,
+  top-k over all S);
+- (b) `ops.pool.pooled_topk`: XLA gather of the pool + einsum + top-k over the pool (and its
+  scores alone, `ops.pool.pooled_scores`).
 
 Bytes that must move per query: the pool's rows (NB·8·68 B), q (as given, f32), the head
 weights, the block ids and the output (the pool's f32 scores, or the top-k positions and scores).
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -30,35 +29,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.pooled_scoring import api, kernel_mgpu, reference
-from v41jax import quant
+from pallas_kernels import timing
+from pallas_kernels.pooled_scoring import api, kernel_mgpu
+from v41jax.ops import formats, pool
 
-ROW_BYTES = 68
-BLOCK_SIZE = 8
-
-
-def _measure(fn, datasets, iterations: int) -> dict:
-    """Device time (ms) of `fn` over every data set: `iterations` timed runs each after a warm-up;
-    median, min, max over all runs, and the per-kernel split of the last run."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    times, kernels = [], []
-    for args in datasets:
-        _, per_run = profiler.measure(fn, iterations=iterations)(*args)
-        times.extend([per_run] if isinstance(per_run, float) else per_run)
-    _, split = profiler.measure(fn, aggregate=False)(*datasets[-1])
-    kernels = [{"name": name[:80], "ms": ms} for name, ms in split or []]
-    result = {
-        "median_ms": statistics.median(times),
-        "min_ms": min(times),
-        "max_ms": max(times),
-        "runs": len(times),
-        "kernels": kernels,
-    }
-    mosaic = [k["ms"] for k in kernels if "mosaic_gpu" in k["name"]]
-    if mosaic:  # the Pallas kernel alone, without the small XLA ops around it
-        result["mosaic_kernel_ms"] = sum(mosaic)
-    return result
+BLOCK_SIZE = kernel_mgpu.BLOCK_SIZE
 
 
 def _random_inputs(key, *, batch, n_pos, n_heads, dim, n_blocks):
@@ -68,21 +43,13 @@ def _random_inputs(key, *, batch, n_pos, n_heads, dim, n_blocks):
     nibbles = jax.random.bits(k_bytes, (batch, n_pos, dim // 2), jnp.uint8)
     scales = jax.random.randint(k_scales, (batch, n_pos, dim // 32), 119, 135).astype(jnp.uint8)
     k_packed = jnp.concatenate([nibbles, scales], axis=-1)
-    q = quant.mxfp4_fake_quant(jax.random.normal(k_q, (batch, n_heads, dim), jnp.float32))
+    q = formats.mxfp4_fake_quant(jax.random.normal(k_q, (batch, n_heads, dim), jnp.float32))
     weights = jax.random.normal(k_w, (batch, n_heads), jnp.float32) * (dim * n_heads) ** -0.5
     cache_blocks = n_pos // BLOCK_SIZE
     order = jnp.argsort(jax.random.uniform(k_ids, (batch, cache_blocks)), axis=-1)
     ids = jnp.sort(order[:, :n_blocks], axis=-1).astype(jnp.int32)
     lengths = jnp.full((batch,), n_pos, jnp.int32)
     return k_packed, q, weights, ids, lengths
-
-
-def _copy_bandwidth(n_bytes: int = 2**30) -> dict:
-    """The copy ceiling: an elementwise pass over 1 GiB of float32 (2·x), bytes read + written
-    over the time (DESIGN §6 measured 3.36 TB/s this way)."""
-    x = jax.random.normal(jax.random.key(0), (n_bytes // 4,), jnp.float32)
-    timing = _measure(jax.jit(lambda x: 2 * x), [(x,)], iterations=10)
-    return {"bytes": 2 * n_bytes, **timing, "GBps": 2 * n_bytes / timing["median_ms"] / 1e6}
 
 
 def run(
@@ -119,7 +86,7 @@ def run(
       A JSON-able dict: device, the copy ceiling, and per context the timings, bytes, bandwidth
       and speed-ups (errors are recorded, not raised).
     """
-    copy = {"GBps": copy_gbps} if copy_gbps else _copy_bandwidth()
+    copy = {"GBps": copy_gbps} if copy_gbps else timing.copy_ceiling()
     out = {
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
@@ -131,10 +98,10 @@ def run(
         "configs": [dataclasses.asdict(c) for c in configs],
         "contexts": {},
     }
-    pool = n_blocks * BLOCK_SIZE
+    pool_size = n_blocks * BLOCK_SIZE
     common = batch * (n_heads * dim * 4 + n_heads * 4 + n_blocks * 4)  # q, weights, block ids
-    rows = batch * pool * ROW_BYTES
-    bytes_scores = rows + common + batch * pool * 4
+    rows = batch * pool_size * formats.packed_row_bytes("mxfp4", dim)
+    bytes_scores = rows + common + batch * pool_size * 4
     bytes_topk = rows + common + batch * topk * 8
     for n_pos in contexts:
         entry = {"n_pos": n_pos, "bytes_scores": bytes_scores, "bytes_topk": bytes_topk}
@@ -158,7 +125,7 @@ def run(
 
         def timed(name, fn, args_of=lambda d: d, n_bytes=None, entry=entry, datasets=datasets):
             try:
-                result = _measure(fn, [args_of(d) for d in datasets], iterations)
+                result, _ = timing.measure(fn, [args_of(d) for d in datasets], iterations)
                 if n_bytes:
                     result["GBps"] = n_bytes / result["median_ms"] / 1e6
                     result["fraction_of_copy"] = result["GBps"] / copy["GBps"]
@@ -173,16 +140,16 @@ def run(
                 progress(out)
 
         # The references first: their numbers survive a kernel failure.
-        timed("xla_pool_scores", jax.jit(reference.pooled_scores_reference), n_bytes=bytes_scores)
+        timed("xla_pool_scores", jax.jit(pool.pooled_scores), n_bytes=bytes_scores)
         timed(
             "xla_pool_topk",
-            jax.jit(functools.partial(reference.pooled_topk_reference, k=topk)),
+            jax.jit(functools.partial(pool.pooled_topk, k=topk)),
             n_bytes=bytes_topk,
         )
         if n_pos <= full_scan_max_context:
             timed(
                 "full_scan_topk",
-                jax.jit(functools.partial(reference.full_scan_reference, k=topk)),
+                jax.jit(functools.partial(pool.full_scan_topk, k=topk)),
                 n_bytes=bytes_topk,
             )
         config = configs[0]

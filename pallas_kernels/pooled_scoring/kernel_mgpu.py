@@ -1,7 +1,7 @@
 """Pooled indexer scoring on Hopper: a Mosaic GPU (Pallas `plgpu`) kernel (DESIGN §6.1).
 
-What it computes is `reference.pooled_scores_reference` for MXFP4 index keys of dim 128 (68-byte
-rows) and blocks of 8 positions. How:
+What it computes is `v41jax.ops.pool.pooled_scores` for MXFP4 index keys of dim 128 (68-byte rows)
+and blocks of 8 positions (`supports` says so to callers). How:
 
 - One CTA (one warpgroup, Lane lowering semantics) owns `tiles_per_cta` tiles of one query; a
   tile is 8 pool blocks = 64 rows. Only those rows are read: each 8-row block is 544 contiguous
@@ -28,7 +28,7 @@ Numerics: exact products for MXFP4 q (its values are f16-exact after the per-hea
 unless a 32-group is ~20 binades below the head's largest value); other q are rounded to f16
 (relative 2⁻¹¹). Accumulation is f32 in wgmma order. A key group more than 28 binades below its
 row's largest scale flushes to zero; a row whose largest E8M0 code is 0 (2⁻¹²⁷, never produced by
-`quant.pack`) scores 0; the NaN scale code 0xFF gives NaN scores like the reference.
+`formats.pack`) scores 0; the NaN scale code 0xFF gives NaN scores like the reference.
 
 Interpret mode (`interpret=True`, CPU tests) runs the same kernel with two substitutions the
 interpreter forces: one copy per block (it cannot reshape refs, and has no 128-byte rule) and the
@@ -52,6 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int, UInt8, UInt32
 
+from pallas_kernels.dispatch import Support, support
+
 BLOCK_SIZE = 8  # positions per candidate block (V4.1's candidate_block_size)
 DIM = 128  # index head dim: a row is 64 nibble bytes + 4 E8M0 bytes = 17 words
 ROW_WORDS = 17
@@ -59,11 +61,25 @@ BLOCK_WORDS = BLOCK_SIZE * ROW_WORDS  # 136 words = 544 bytes per block
 TILE_BLOCKS = 8  # blocks per tile: 64 rows = wgmma's M
 TILE_ROWS = TILE_BLOCKS * BLOCK_SIZE
 HEAD_ALIGN = 32  # heads are padded to this (wgmma N % 8, and 128-byte copies of w)
+MAX_HEADS = 256  # wgmma's N and a TMA box dimension
 # The two copies of one block: words [0, 128) and [104, 136) (multiples of 128 bytes each).
 _COPIES = ((0, 128), (BLOCK_WORDS - 32, 32))
 # Bits of an f16 pair (two halves) that the sign and the E2M1 magnitude of a nibble go to.
 _SIGN_BITS = np.uint32(0x80008000)
 _MAGNITUDE_BITS = np.uint32(0x0E000E00)
+
+
+def supports(*, fmt: str, dim: int, block_size: int, n_heads: int) -> Support:
+    """Whether the kernel takes pooled scoring of `n_heads` queries of `dim` over packed `fmt`
+    keys in blocks of `block_size`: MXFP4 rows of dim 128 (68 bytes), blocks of 8, at most 256
+    heads."""
+    return support(
+        "the pooled-scoring Mosaic GPU kernel",
+        (fmt == "mxfp4", "fmt", "'mxfp4'", fmt),
+        (dim == DIM, "dim", str(DIM), dim),
+        (block_size == BLOCK_SIZE, "block_size", str(BLOCK_SIZE), block_size),
+        (n_heads <= MAX_HEADS, "n_heads", f"<= {MAX_HEADS}", n_heads),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,8 +343,8 @@ def pooled_scores_mgpu(
     interpret: bool = False,
     _ablation: str | None = None,
 ) -> Float[Array, "batch n_pool"]:
-    """Pool scores in block order, as `reference.pooled_scores_reference` (fmt 'mxfp4',
-    block_size 8, dim 128).
+    """Pool scores in block order, as `v41jax.ops.pool.pooled_scores` (fmt 'mxfp4', block_size 8,
+    dim 128: `supports`).
 
     Args:
       k_packed: [B, S, 68] uint8 packed rows, or the same bytes as `packed_words` gives them
@@ -354,10 +370,13 @@ def pooled_scores_mgpu(
             raise ValueError("n_pos: required when k_packed is given as uint32 words")
         k_words = k_packed
     batch, n_heads, dim = q.shape
-    if dim != DIM or k_words.shape[2] != BLOCK_WORDS:
-        raise ValueError(f"q: the kernel needs dim {DIM} (68-byte rows), got q {q.shape}")
-    if n_heads > 256:  # wgmma's N and a TMA box dimension
-        raise ValueError(f"q: the kernel takes at most 256 heads, got {n_heads}")
+    supported = supports(fmt="mxfp4", dim=dim, block_size=BLOCK_SIZE, n_heads=n_heads)
+    if not supported:
+        raise supported.error()
+    if k_words.shape[2] != BLOCK_WORDS:
+        raise ValueError(
+            f"k_packed: expected words [B, blocks, {BLOCK_WORDS}], got {k_words.shape}"
+        )
     n_slots = block_ids.shape[1]
     n_tiles_total = -(-n_slots // TILE_BLOCKS)
     # A query's tiles are split over CTAs; a small pool gets fewer, smaller CTAs.

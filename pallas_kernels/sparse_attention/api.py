@@ -1,16 +1,19 @@
-"""`fp4_sparse_attention`: one entry point, `implementation=` dispatch, a reference backward.
+"""`fp4_sparse_attention`: one entry point over the project's `implementation=` switch, with the
+definition's backward.
 
 DESIGN §6: each kernel has an `implementation=` switch and a `custom_vjp` whose backward uses the
-reference, so a training step can call the kernel forward. Gradients flow to `q` and `sink` (the
+definition, so a training step can call the kernel forward. Gradients flow to `q` and `sink` (the
 packed caches are uint8 and the indices integers: they get none); the backward is `jax.vjp` of
-`fp4_sparse_attention_reference`, recomputed in XLA from the saved inputs.
+`v41jax.ops.attention.packed_sparse_attention`, recomputed in XLA from the saved inputs.
 
-| implementation    | what runs                                                   | output  |
-|-------------------|-------------------------------------------------------------|---------|
-| 'xla'             | `fp4_sparse_attention_reference` (gather, jnp unpack, fp32) | fp32    |
-| 'pallas'          | the Mosaic GPU kernel (`sparse_attention_mgpu`)             | bf16    |
-| 'pallas_mgpu'     | the same, by its backend's name                             | bf16    |
-| 'pallas_triton'   | the Triton-backend stepping stone (`sparse_attention_triton`)| bf16   |
+| implementation       | what runs                                                      | output |
+|----------------------|----------------------------------------------------------------|--------|
+| 'xla'                | `ops.attention.packed_sparse_attention` (gather, unpack, fp32) | fp32   |
+| 'pallas'             | the kernel `Config.backend` names, compiled for the GPU        | bf16   |
+| 'pallas_interpret'   | the same kernel in the Pallas interpreter on the CPU           | bf16   |
+
+Backends: 'mgpu' (`kernel_mgpu`, Mosaic GPU: the one the model runs) and 'triton'
+(`kernel_triton`, the Triton-backend stepping stone). What each takes: `supports`.
 
 The result is cast to q.dtype, so with bf16 queries (the real model) no implementation adds a
 pass; with float32 queries the kernels' bf16 output is widened.
@@ -25,28 +28,44 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt8
 
-from pallas_kernels.sparse_attention import sparse_attention_mgpu, sparse_attention_triton
-from pallas_kernels.sparse_attention.reference import fp4_sparse_attention_reference
-from v41jax import quant
+from pallas_kernels import dispatch
+from pallas_kernels.sparse_attention import kernel_mgpu, kernel_triton
+from v41jax.ops import attention
 
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_mgpu", "pallas_triton")
+BACKENDS = {"mgpu": kernel_mgpu, "triton": kernel_triton}
+"""The kernels 'pallas' can run, by `Config.backend`."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Tuning of every backend; each reads its own field.
+    """Which kernel runs under 'pallas' / 'pallas_interpret', and the tuning of each.
 
     Args:
-      mgpu: `sparse_attention_mgpu.TuningConfig` ('pallas', 'pallas_mgpu').
-      triton: `sparse_attention_triton.TuningConfig` ('pallas_triton').
+      backend: 'mgpu' (Mosaic GPU, the default) or 'triton' (the stepping stone).
+      mgpu: `kernel_mgpu.TuningConfig`.
+      triton: `kernel_triton.TuningConfig`.
     """
 
-    mgpu: sparse_attention_mgpu.TuningConfig = dataclasses.field(
-        default_factory=sparse_attention_mgpu.TuningConfig
+    backend: str = "mgpu"
+    mgpu: kernel_mgpu.TuningConfig = dataclasses.field(default_factory=kernel_mgpu.TuningConfig)
+    triton: kernel_triton.TuningConfig = dataclasses.field(
+        default_factory=kernel_triton.TuningConfig
     )
-    triton: sparse_attention_triton.TuningConfig = dataclasses.field(
-        default_factory=sparse_attention_triton.TuningConfig
-    )
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {tuple(BACKENDS)}, got {self.backend!r}")
+
+
+def supports(
+    implementation: str, *, kv_fmt: str, window_fmt: str, dim: int, config: Config = Config()
+) -> dispatch.Support:
+    """Whether `implementation` (with `config.backend` for the kernels) takes attention over
+    `kv_fmt` main-KV rows and `window_fmt` window rows of `dim` values. 'xla' takes everything."""
+    dispatch.check_implementation(implementation)
+    if implementation == "xla":
+        return dispatch.Support("xla")
+    return BACKENDS[config.backend].supports(kv_fmt=kv_fmt, window_fmt=window_fmt, dim=dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,21 +75,26 @@ class _Static:
     window_fmt: str
     scale: float | None
     config: Config
-    interpret: bool
 
 
 def _forward(static: _Static, q, kv_packed, indices, window_packed, window_valid, sink):
     args = (q, kv_packed, indices, window_packed, window_valid, sink)
     formats = dict(kv_fmt=static.kv_fmt, window_fmt=static.window_fmt, scale=static.scale)
     if static.implementation == "xla":
-        out = fp4_sparse_attention_reference(*args, **formats)
-    elif static.implementation == "pallas_triton":
-        out = sparse_attention_triton.fp4_sparse_attention_triton(
-            *args, **formats, config=static.config.triton, interpret=static.interpret
+        out = attention.packed_sparse_attention(*args, **formats)
+    elif static.config.backend == "triton":
+        out = kernel_triton.fp4_sparse_attention_triton(
+            *args,
+            **formats,
+            config=static.config.triton,
+            interpret=dispatch.interpret(static.implementation),
         )
     else:
-        out = sparse_attention_mgpu.fp4_sparse_attention_mgpu(
-            *args, **formats, config=static.config.mgpu, interpret=static.interpret
+        out = kernel_mgpu.fp4_sparse_attention_mgpu(
+            *args,
+            **formats,
+            config=static.config.mgpu,
+            interpret=dispatch.interpret(static.implementation),
         )
     return out.astype(q.dtype)
 
@@ -88,8 +112,8 @@ def _attention_fwd(static, q, kv_packed, indices, window_packed, window_valid, s
 def _attention_bwd(static, residuals, g):
     q, kv_packed, indices, window_packed, window_valid, sink = residuals
 
-    def reference(q, sink):
-        out = fp4_sparse_attention_reference(
+    def definition(q, sink):
+        out = attention.packed_sparse_attention(
             q,
             kv_packed,
             indices,
@@ -102,17 +126,12 @@ def _attention_bwd(static, residuals, g):
         )
         return out.astype(q.dtype)
 
-    _, vjp = jax.vjp(reference, q, sink)
+    _, vjp = jax.vjp(definition, q, sink)
     dq, dsink = vjp(g)
     return dq, None, None, None, None, dsink
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-def _check(name: str, x: jax.Array, ndim: int, layout: str, kind) -> None:
-    if x.ndim != ndim or not jnp.issubdtype(x.dtype, kind):
-        raise ValueError(f"{name}: expected {layout} {kind.__name__}, got {x.dtype}{x.shape}")
 
 
 def fp4_sparse_attention(
@@ -128,13 +147,12 @@ def fp4_sparse_attention(
     scale: float | None = None,
     implementation: str = "xla",
     config: Config = Config(),
-    interpret: bool = False,
 ) -> Float[Array, "batch head dim"]:
     """Sparse attention of B single queries over packed FP4/FP8 caches (DESIGN §3 step 4, §6).
 
-    Semantics: `fp4_sparse_attention_reference` (one softmax over valid window keys, selected
-    compressed keys and a per-head sink; K = V; −1 slots skipped; an empty row gives zeros).
-    Differentiable in q and sink through the reference's VJP.
+    Semantics: `v41jax.ops.attention.packed_sparse_attention` (one softmax over valid window
+    keys, selected compressed keys and a per-head sink; K = V; −1 slots skipped; an empty row
+    gives zeros). Differentiable in q and sink through the definition's VJP.
 
     Args:
       q: [B, H, D] queries, float32 or bfloat16.
@@ -143,49 +161,28 @@ def fp4_sparse_attention(
       window_packed: [B, W, packed_row_bytes(window_fmt, D)] uint8 window rows of each query.
       window_valid: [B, W] bool (a validity mask, not a count: ring slots fill out of order).
       sink: [H] float sink logits.
-      kv_fmt, window_fmt: packed formats; the kernels decode only ('nvfp4', 'fp8').
+      kv_fmt, window_fmt: packed formats; what the kernels decode: `supports`.
       scale: logit scale, a Python number; default D^-0.5.
-      implementation: one of IMPLEMENTATIONS (see the module docstring).
-      config: `Config` of the kernels.
-      interpret: run a Pallas kernel on CPU in interpret mode (tests; small sizes).
+      implementation: 'xla' | 'pallas' | 'pallas_interpret' (`pallas_kernels.dispatch`).
+      config: `Config`: the kernel backend and its tuning.
 
     Returns:
       [B, H, D] in q.dtype.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}"
-        )
+    dispatch.check_implementation(implementation)
     q, kv_packed, indices = jnp.asarray(q), jnp.asarray(kv_packed), jnp.asarray(indices)
     window_packed, window_valid = jnp.asarray(window_packed), jnp.asarray(window_valid)
     sink = jnp.asarray(sink)
-    _check("q", q, 3, "[B, H, D]", jnp.floating)
-    _check("kv_packed", kv_packed, 3, "[B, S, row_bytes]", jnp.unsignedinteger)
-    _check("indices", indices, 2, "[B, K]", jnp.integer)
-    _check("window_packed", window_packed, 3, "[B, W, row_bytes]", jnp.unsignedinteger)
-    _check("window_valid", window_valid, 2, "[B, W]", jnp.bool_)
-    _check("sink", sink, 1, "[H]", jnp.floating)
-    batch, n_heads, dim = q.shape
-    for name, x, fmt in (
-        ("kv_packed", kv_packed, kv_fmt),
-        ("window_packed", window_packed, window_fmt),
-    ):
-        want = (batch, x.shape[1], quant.packed_row_bytes(fmt, dim))
-        if x.shape != want or x.dtype != jnp.uint8:
-            raise ValueError(
-                f"{name}: expected uint8{want} ({fmt} rows of D = {dim}), got {x.dtype}{x.shape}"
-            )
-    if indices.shape[0] != batch:
-        raise ValueError(f"indices: expected [{batch}, K] (q's B), got {indices.shape}")
-    if window_valid.shape != window_packed.shape[:2]:
-        raise ValueError(
-            f"window_valid: expected {window_packed.shape[:2]} (window_packed's [B, W]), "
-            f"got {window_valid.shape}"
-        )
-    if sink.shape != (n_heads,):
-        raise ValueError(f"sink: expected shape ({n_heads},) (q's H), got {sink.shape}")
+    attention.check_packed_attention_args(
+        q, kv_packed, indices, window_packed, window_valid, sink, kv_fmt, window_fmt
+    )
+    supported = supports(
+        implementation, kv_fmt=kv_fmt, window_fmt=window_fmt, dim=q.shape[-1], config=config
+    )
+    if not supported:
+        raise supported.error()
     if scale is not None:
         scale = float(scale)
-    static = _Static(implementation, kv_fmt, window_fmt, scale, config, interpret)
+    static = _Static(implementation, kv_fmt, window_fmt, scale, config)
     indices = indices.astype(jnp.int32)
     return _attention(static, q, kv_packed, indices, window_packed, window_valid, sink)

@@ -2,14 +2,16 @@
 
     python -m pallas_kernels.sparse_attention.bench     # on a GPU; prints the JSON
 
-`run()` times, per batch size, on fresh random data (never zeros), with CUPTI
-(`jax.experimental.mosaic.gpu.profiler.measure`: per-call GPU time summed over every kernel the
-call launches, the small XLA ops around a Pallas kernel included) after a warm-up, median of
+`run()` times, per batch size, on fresh random data (never zeros), with the project's device
+timer (`pallas_kernels.timing.measure`: CUPTI, per-call GPU time summed over every kernel the
+call launches, the small XLA ops around a Pallas kernel included, after a warm-up), median of
 `iterations` calls:
 
-- each Pallas kernel (`implementation=` of `api.fp4_sparse_attention`),
-- (a) 'xla_bf16_cache': XLA over a BF16 cache (gather + bf16 einsums + fp32 softmax),
-- (b) 'xla_packed': XLA over the packed FP4/FP8 cache dequantized by jnp (the reference).
+- each kernel backend (`api.BACKENDS`, run as `fp4_sparse_attention(implementation='pallas')`),
+  labelled 'pallas_<backend>',
+- (a) 'xla_bf16_cache': XLA over a BF16 cache (gather + bf16 einsums + fp32 softmax:
+  `bf16_cache_attention`, what the official code runs),
+- (b) 'xla_packed': XLA over the packed FP4/FP8 cache dequantized by jnp (the op's definition).
 
 Reported per entry: time, TFLOP/s (2·H·keys·2·D per query: QK^T and PV), the bytes that must move
 (each selected key row once in its stored format, q read and the output written once, indices and
@@ -20,19 +22,68 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.sparse_attention import api, sparse_attention_mgpu
-from pallas_kernels.sparse_attention.reference import (
-    bf16_cache_attention,
-    fp4_sparse_attention_reference,
-)
-from v41jax import quant
+from pallas_kernels import timing
+from pallas_kernels.sparse_attention import api, kernel_mgpu
+from v41jax.ops import formats
+from v41jax.ops.attention import packed_sparse_attention, softmax_with_sink
+
+
+def bf16_cache_attention(
+    q: Float[Array, "batch head dim"],
+    kv: Float[Array, "batch n_kv dim"],
+    indices: Int[Array, "batch topk"],
+    window: Float[Array, "batch window dim"],
+    window_valid: Bool[Array, "batch window"],
+    sink: Float[Array, " head"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "batch head dim"]:
+    """Baseline (a): the op as XLA runs it over a BF16 cache, the official code's precision.
+
+    Gather the selected bf16 rows, bf16 einsums with float32 accumulation, the float32 softmax
+    with the sink (`ops.attention.softmax_with_sink`), probabilities cast to bf16 before PV: the
+    fast XLA path a BF16 cache allows, not the float32 definition.
+
+    Args:
+      q: [B, H, D]; kv: [B, S, D] bf16; indices: [B, K] (−1 skips); window: [B, W, D] bf16;
+      window_valid: [B, W] bool; sink: [H] float32; scale: default D^-0.5.
+
+    Returns:
+      [B, H, D] float32.
+    """
+    dim = q.shape[-1]
+    scale = dim**-0.5 if scale is None else scale
+    valid = (indices >= 0) & (indices < kv.shape[1])
+    selected = jnp.take_along_axis(kv, jnp.where(valid, indices, 0)[..., None], axis=1)
+    keys = jnp.concatenate([window.astype(jnp.bfloat16), selected.astype(jnp.bfloat16)], axis=1)
+    valid = jnp.concatenate([window_valid, valid], axis=1)
+    keys = jnp.where(valid[..., None], keys, jnp.zeros((), jnp.bfloat16))
+    logits = jnp.einsum(
+        "bhd,bjd->bhj", q.astype(jnp.bfloat16), keys, preferred_element_type=jnp.float32
+    )
+    probs, _ = softmax_with_sink(logits * scale, valid[:, None, :], sink)
+    return jnp.einsum(
+        "bhj,bjd->bhd", probs.astype(jnp.bfloat16), keys, preferred_element_type=jnp.float32
+    )
+
+
+def unpacked_caches(
+    kv_packed, window_packed, dim: int, *, kv_fmt: str = "nvfp4", window_fmt: str = "fp8"
+):
+    """The packed caches as bf16 arrays: the inputs of `bf16_cache_attention` holding the same
+    (exactly representable) values, for comparing the two on one cache."""
+    unpack = jax.jit(formats.unpack, static_argnums=(1, 2), static_argnames="dtype")
+    return (
+        unpack(kv_packed, kv_fmt, dim, dtype=jnp.bfloat16),
+        unpack(window_packed, window_fmt, dim, dtype=jnp.bfloat16),
+    )
 
 
 def _inputs(key, batch, heads, dim, n_kv, topk, window):
@@ -40,7 +91,7 @@ def _inputs(key, batch, heads, dim, n_kv, topk, window):
     a few −1 holes, ~90% valid window slots, normal sinks."""
     kq, kkv, kw, ki, kv_, ks = jax.random.split(key, 6)
     q = jax.random.normal(kq, (batch, heads, dim), jnp.bfloat16)
-    pack = jax.jit(quant.pack, static_argnums=1)
+    pack = jax.jit(formats.pack, static_argnums=1)
     kv_packed = pack(jax.random.normal(kkv, (batch, n_kv, dim), jnp.float32), "nvfp4")
     window_packed = pack(jax.random.normal(kw, (batch, window, dim), jnp.float32), "fp8")
     order = jax.vmap(lambda k: jax.random.permutation(k, n_kv)[:topk])(jax.random.split(ki, batch))
@@ -49,20 +100,6 @@ def _inputs(key, batch, heads, dim, n_kv, topk, window):
     window_valid = jax.random.bernoulli(ks, 0.9, (batch, window))
     sink = jax.random.normal(ks, (heads,), jnp.float32)
     return q, kv_packed, indices, window_packed, window_valid, sink
-
-
-def _time(f, args, iterations):
-    """(median ms, all ms, median ms of the longest kernel, output) of f(*args), CUPTI-timed."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    f = jax.jit(f)
-    jax.block_until_ready(f(*args))  # compile and warm up
-    out, per_kernel = profiler.measure(f, iterations=iterations, aggregate=False)(*args)
-    if iterations == 1:  # measure() drops the per-iteration level for a single call
-        per_kernel = [per_kernel]
-    totals = [sum(t for _, t in it) for it in per_kernel]
-    longest = [max(t for _, t in it) for it in per_kernel]
-    return statistics.median(totals), totals, statistics.median(longest), out
 
 
 def _rel_err(out, ref) -> float:
@@ -78,8 +115,8 @@ def run(
     topk: int = 512,
     window: int = 128,
     n_kv: int = 4096,
-    implementations: tuple[str, ...] = ("pallas_triton", "pallas_mgpu"),
-    mgpu_variants: Mapping[str, sparse_attention_mgpu.TuningConfig] | None = None,
+    backends: tuple[str, ...] = ("triton", "mgpu"),
+    mgpu_variants: Mapping[str, kernel_mgpu.TuningConfig] | None = None,
     iterations: int = 20,
     seed: int = 0,
     on_result: Callable[[dict], None] | None = None,
@@ -91,7 +128,7 @@ def run(
       heads, dim, topk, window: the V4.1 attention shape (64 × 512, 512 selected + 128 window).
       n_kv: compressed rows per query's cache; 4096 × 288 B × 128 queries ≈ 151 MB, several
         times the 50 MB L2, so the gathers come from HBM.
-      implementations: Pallas backends of `api.fp4_sparse_attention` to time.
+      backends: kernel backends of `api.fp4_sparse_attention` to time (`api.BACKENDS`).
       mgpu_variants: extra Mosaic GPU configurations, timed as 'pallas_mgpu[label]'.
       iterations: timed calls per entry (after one warm-up call).
       seed: PRNG seed; each batch size draws its own data.
@@ -102,20 +139,15 @@ def run(
     flops_per_query = 2 * heads * keys * 2 * dim
     qo_bytes = 2 * heads * dim * 2  # bf16 q in, bf16 output out
     index_bytes = 4 * topk + window
-    packed_bytes = topk * quant.packed_row_bytes("nvfp4", dim) + window * quant.packed_row_bytes(
-        "fp8", dim
+    packed_bytes = topk * formats.packed_row_bytes("nvfp4", dim) + window * (
+        formats.packed_row_bytes("fp8", dim)
     )
     results = []
     for i, batch in enumerate(batches):
         args = _inputs(jax.random.key(seed + i), batch, heads, dim, n_kv, topk, window)
         q, kv_packed, indices, window_packed, window_valid, sink = args
-        reference = jax.jit(fp4_sparse_attention_reference)(*args)
-        kv_bf16 = jax.jit(quant.unpack, static_argnums=(1, 2), static_argnames="dtype")(
-            kv_packed, "nvfp4", dim, dtype=jnp.bfloat16
-        )
-        window_bf16 = jax.jit(quant.unpack, static_argnums=(1, 2), static_argnames="dtype")(
-            window_packed, "fp8", dim, dtype=jnp.bfloat16
-        )
+        reference = jax.jit(packed_sparse_attention)(*args)
+        kv_bf16, window_bf16 = unpacked_caches(kv_packed, window_packed, dim)
         entries = [
             (
                 "xla_bf16_cache",
@@ -123,23 +155,27 @@ def run(
                 (q, kv_bf16, indices, window_bf16, window_valid, sink),
                 topk * 2 * dim + window * 2 * dim,
             ),
-            ("xla_packed", fp4_sparse_attention_reference, args, packed_bytes),
+            ("xla_packed", packed_sparse_attention, args, packed_bytes),
         ]
         entries += [
             (
-                impl,
-                functools.partial(api.fp4_sparse_attention, implementation=impl),
+                f"pallas_{backend}",
+                functools.partial(
+                    api.fp4_sparse_attention,
+                    implementation="pallas",
+                    config=api.Config(backend=backend),
+                ),
                 args,
                 packed_bytes,
             )
-            for impl in implementations
+            for backend in backends
         ]
         entries += [
             (
                 f"pallas_mgpu[{label}]",
                 functools.partial(
                     api.fp4_sparse_attention,
-                    implementation="pallas_mgpu",
+                    implementation="pallas",
                     config=api.Config(mgpu=tuning),
                 ),
                 args,
@@ -150,16 +186,16 @@ def run(
         for name, f, f_args, kv_bytes in entries:
             entry = {"batch": batch, "implementation": name}
             try:
-                median_ms, all_ms, longest_ms, out = _time(f, f_args, iterations)
+                times, out = timing.measure(f, [f_args], iterations)
             except Exception as e:  # a failing backend is reported, the others still run
                 entry["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
             else:
-                seconds = median_ms * 1e-3
+                seconds = times["median_ms"] * 1e-3
                 moved = batch * (kv_bytes + qo_bytes + index_bytes)
                 entry.update(
-                    time_us=median_ms * 1e3,
-                    time_us_all=[t * 1e3 for t in all_ms],
-                    longest_kernel_us=longest_ms * 1e3,
+                    time_us=times["median_ms"] * 1e3,
+                    time_us_all=[t * 1e3 for t in times["times_ms"]],
+                    longest_kernel_us=times["longest_kernel_ms"] * 1e3,
                     tflops=batch * flops_per_query / seconds / 1e12,
                     bytes=moved,
                     tb_per_s=moved / seconds / 1e12,

@@ -1,4 +1,4 @@
-"""v41jax.quant against an independent numpy/ml_dtypes model of the DESIGN §4 rules.
+"""`v41jax.ops.formats` against an independent numpy/ml_dtypes model of the DESIGN §4 rules.
 
 The reference below uses ml_dtypes casts (with the pre-clamps they need) and frexp exponents, the
 library uses float32 bit arithmetic; every comparison is on bit patterns (signed zeros included;
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from jax.experimental import checkify
 
-from v41jax import quant
+from v41jax.ops import formats
 
 F32 = np.float32
 E2M1 = ml_dtypes.float4_e2m1fn
@@ -33,9 +33,9 @@ ELEMENT_MAX = {"nvfp4": 6.0, "mxfp4": 6.0, "fp8": 448.0}
 SHAPE = (4, 128)  # one shape everywhere, so each jitted function compiles once per dtype
 HYPOTHESIS = settings(deadline=None, max_examples=20, suppress_health_check=[HealthCheck.too_slow])
 
-fake_quant_jit = jax.jit(quant.fake_quant, static_argnums=1)
-pack_jit = jax.jit(quant.pack, static_argnums=1)
-unpack_jit = jax.jit(quant.unpack, static_argnums=(1, 2), static_argnames="dtype")
+fake_quant_jit = jax.jit(formats.fake_quant, static_argnums=1)
+pack_jit = jax.jit(formats.pack, static_argnums=1)
+unpack_jit = jax.jit(formats.unpack, static_argnums=(1, 2), static_argnames="dtype")
 
 E2M1_TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], F32)
 E4M3_VALUES = np.arange(0x7F, dtype=np.uint8).view(E4M3).astype(F32)  # +0 ... 448
@@ -250,7 +250,7 @@ def test_low_precision_inputs(fmt, dtype):
     y = fake_quant_jit(x, fmt)
     assert y.dtype == dtype
     assert_bits_equal(y, ref_fake_quant(x, fmt))
-    assert_bits_equal(quant.unpack(pack_jit(x, fmt), fmt, dtype=dtype), y)
+    assert_bits_equal(formats.unpack(pack_jit(x, fmt), fmt, dtype=dtype), y)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -282,7 +282,7 @@ def test_nvfp4_boundary_table(amax, dequantized_max, sign):
     rng = np.random.default_rng(0)
     x = (rng.uniform(-0.5, 0.5, SHAPE) * amax).astype(F32)
     x[:, ::16] = sign * amax
-    y = np.asarray(quant.nvfp4_fake_quant(x))
+    y = np.asarray(formats.nvfp4_fake_quant(x))
     assert_bits_equal(y, ref_fake_quant(x, "nvfp4"))
     np.testing.assert_array_equal(np.abs(y).reshape(-1, 16).max(-1), F32(dequantized_max))
     np.testing.assert_array_equal(y[:, ::16], F32(sign * dequantized_max))
@@ -291,20 +291,20 @@ def test_nvfp4_boundary_table(amax, dequantized_max, sign):
 def test_e2m1_round_table():
     x = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 1e30, -0.1, -0.75, 0.0], F32)
     expected = np.array([0, 1, 1, 2, 2, 4, 4, 6, 6, -0.0, -1, 0], F32)
-    assert_bits_equal(quant.e2m1_round(x), expected)
+    assert_bits_equal(formats.e2m1_round(x), expected)
 
 
 def test_e2m1_round_sweep_matches_ml_dtypes():
     grid = np.linspace(-7, 7, 20001, dtype=F32)
     mids = np.concatenate([E2M1_TIES, -E2M1_TIES, [1e-40, -1e-40, 2.0**-126]]).astype(F32)
     x = np.concatenate([grid, mids, np.nextafter(mids, F32(np.inf)), np.nextafter(mids, F32(0))])
-    assert_bits_equal(jax.jit(quant.e2m1_round)(x), x.astype(E2M1).astype(F32))
-    assert_bits_equal(quant.e2m1_codes(x), x.astype(E2M1).view(np.uint8))
+    assert_bits_equal(jax.jit(formats.e2m1_round)(x), x.astype(E2M1).astype(F32))
+    assert_bits_equal(formats.e2m1_codes(x), x.astype(E2M1).view(np.uint8))
 
 
 def test_e2m1_decode_table_matches_ml_dtypes():
     expected = np.arange(16, dtype=np.uint8).view(E2M1).astype(F32)
-    assert_bits_equal(quant.e2m1_decode_table(), expected)
+    assert_bits_equal(formats.e2m1_decode_table(), expected)
 
 
 def test_unpack_decodes_every_byte():
@@ -411,7 +411,7 @@ def test_error_bound(fmt, x):
     ],
 )
 def test_packed_row_bytes_table(fmt, dim, rope_dim, expected):
-    assert quant.packed_row_bytes(fmt, dim, rope_dim=rope_dim) == expected
+    assert formats.packed_row_bytes(fmt, dim, rope_dim=rope_dim) == expected
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -419,14 +419,14 @@ def test_packed_row_bytes_table(fmt, dim, rope_dim, expected):
 @given(groups=st.integers(1, 64), lead=st.lists(st.integers(1, 3), max_size=2))
 def test_packed_widths(fmt, groups, lead):
     dim = groups * (32 if fmt == "bf16" else GROUP[fmt])
-    width = quant.packed_row_bytes(fmt, dim)
+    width = formats.packed_row_bytes(fmt, dim)
     bits = {"nvfp4": 4 * dim + 8 * dim // 16, "mxfp4": 4 * dim + 8 * dim // 32}
     bits |= {"fp8": 8 * dim + 8 * dim // 32, "bf16": 16 * dim}
     assert 8 * width == bits[fmt]
     x = jax.ShapeDtypeStruct((*lead, dim), jnp.float32)
-    rows = jax.eval_shape(functools.partial(quant.pack, fmt=fmt), x)
+    rows = jax.eval_shape(functools.partial(formats.pack, fmt=fmt), x)
     assert (rows.shape, rows.dtype) == ((*lead, width), jnp.uint8)
-    values = jax.eval_shape(functools.partial(quant.unpack, fmt=fmt), rows)
+    values = jax.eval_shape(functools.partial(formats.unpack, fmt=fmt), rows)
     assert values.shape == x.shape
 
 
@@ -439,11 +439,11 @@ def test_jit_matches_eager():
     x_nan = x.copy()
     x_nan[0, 40], x_nan[1, 70] = np.nan, -np.inf
     for fmt in FORMATS:
-        assert_bits_equal(quant.fake_quant(x_nan, fmt), fake_quant_jit(x_nan, fmt))
-        rows = quant.pack(x, fmt)
+        assert_bits_equal(formats.fake_quant(x_nan, fmt), fake_quant_jit(x_nan, fmt))
+        rows = formats.pack(x, fmt)
         assert_bits_equal(rows, pack_jit(x, fmt))
-        assert_bits_equal(quant.unpack(rows, fmt), unpack_jit(rows, fmt, None))
-    assert_bits_equal(quant.e2m1_round(x_nan), jax.jit(quant.e2m1_round)(x_nan))
+        assert_bits_equal(formats.unpack(rows, fmt), unpack_jit(rows, fmt, None))
+    assert_bits_equal(formats.e2m1_round(x_nan), jax.jit(formats.e2m1_round)(x_nan))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,7 +474,7 @@ def test_bf16_keeps_ieee_specials():
 
 
 def test_e2m1_round_nonfinite_is_nan():
-    y = quant.e2m1_round(np.array([np.nan, np.inf, -np.inf, 7.0], F32))
+    y = formats.e2m1_round(np.array([np.nan, np.inf, -np.inf, 7.0], F32))
     assert_bits_equal(y, np.array([np.nan, np.nan, np.nan, 6.0], F32))
 
 
@@ -483,16 +483,16 @@ def test_pack_refuses_nonfinite_eagerly(fmt):
     x = np.ones((2, 64), F32)
     x[1, 5] = np.nan
     with pytest.raises(ValueError, match=r"x: expected finite .*got 1 non-finite.*\(1, 5\)"):
-        quant.pack(x, fmt)
+        formats.pack(x, fmt)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])  # the check runs before any format code
 def test_checked_pack_reports_under_jit(fmt):
-    checked = checkify.checkify(jax.jit(quant.checked_pack, static_argnums=1))
+    checked = checkify.checkify(jax.jit(formats.checked_pack, static_argnums=1))
     x = np.ones((2, 64), F32)
     err, rows = checked(x, fmt)
     assert err.get() is None
-    assert_bits_equal(rows, quant.pack(x, fmt))
+    assert_bits_equal(rows, formats.pack(x, fmt))
     x[0, 1] = np.inf
     err, _ = checked(x, fmt)
     assert "x: expected finite values, got 1 non-finite" in err.get()
@@ -504,8 +504,8 @@ def test_checked_pack_reports_under_jit(fmt):
 # Straight-through gradient.
 
 STE_FUNCTIONS = {
-    **{fmt: functools.partial(quant.fake_quant, fmt=fmt) for fmt in FORMATS},
-    "e2m1_round": quant.e2m1_round,
+    **{fmt: functools.partial(formats.fake_quant, fmt=fmt) for fmt in FORMATS},
+    "e2m1_round": formats.e2m1_round,
 }
 
 
@@ -535,49 +535,55 @@ ROWS = np.zeros((2, 100), np.uint8)
     ("call", "match"),
     [
         (
-            lambda: quant.fake_quant(np.ones((2, 20), F32), "nvfp4"),
+            lambda: formats.fake_quant(np.ones((2, 20), F32), "nvfp4"),
             r"x: expected a last dimension that is a multiple of the nvfp4 group size 16, "
             r"got shape \(2, 20\)",
         ),
-        (lambda: quant.pack(np.ones((2, 48), F32), "mxfp4"), r"x: .*group size 32, got .*48"),
+        (lambda: formats.pack(np.ones((2, 48), F32), "mxfp4"), r"x: .*group size 32, got .*48"),
         (
-            lambda: quant.fake_quant(np.ones((2, 32), np.int32), "mxfp4"),
+            lambda: formats.fake_quant(np.ones((2, 32), np.int32), "mxfp4"),
             r"x: expected dtype float32, bfloat16 or float16, got int32",
         ),
-        (lambda: quant.fp8_window_fake_quant(np.ones((2, 32))), r"x: expected dtype .*float64"),
-        (lambda: quant.e2m1_round(np.arange(4)), r"x: expected dtype .*int64"),
+        (lambda: formats.fp8_window_fake_quant(np.ones((2, 32))), r"x: expected dtype .*float64"),
+        (lambda: formats.e2m1_round(np.arange(4)), r"x: expected dtype .*int64"),
         (
-            lambda: quant.fake_quant(np.ones(32, F32), "fp4"),
+            lambda: formats.fake_quant(np.ones(32, F32), "fp4"),
             r"fmt: expected one of \['nvfp4', 'mxfp4', 'fp8', 'bf16', 'f32'\], got 'fp4'",
         ),
-        (lambda: quant.fake_quant(np.ones(64, F32), "v4_fp8"), r"fmt: 'v4_fp8' is accounting-only"),
-        (lambda: quant.pack(np.ones(64, F32), "v4_fp8"), r"fmt: 'v4_fp8' is accounting-only"),
-        (lambda: quant.unpack(ROWS, "fp4"), r"fmt: expected one of .*got 'fp4'"),
         (
-            lambda: quant.unpack(ROWS, "nvfp4", 512),
+            lambda: formats.fake_quant(np.ones(64, F32), "v4_fp8"),
+            r"fmt: 'v4_fp8' is accounting-only",
+        ),
+        (lambda: formats.pack(np.ones(64, F32), "v4_fp8"), r"fmt: 'v4_fp8' is accounting-only"),
+        (lambda: formats.unpack(ROWS, "fp4"), r"fmt: expected one of .*got 'fp4'"),
+        (
+            lambda: formats.unpack(ROWS, "nvfp4", 512),
             r"rows: expected last dimension packed_row_bytes\('nvfp4', 512\) = 288, got 100",
         ),
         (
-            lambda: quant.unpack_nvfp4(ROWS),
+            lambda: formats.unpack(ROWS, "nvfp4"),
             r"rows: expected a last dimension that is a multiple of 9 .*got 100",
         ),
-        (lambda: quant.unpack(ROWS.astype(F32), "bf16"), r"rows: expected a uint8 array .*float32"),
-        (lambda: quant.unpack(ROWS, "bf16", dtype=jnp.int8), r"dtype: expected .*got int8"),
         (
-            lambda: quant.packed_row_bytes("nvfp4", 100),
+            lambda: formats.unpack(ROWS.astype(F32), "bf16"),
+            r"rows: expected a uint8 array .*float32",
+        ),
+        (lambda: formats.unpack(ROWS, "bf16", dtype=jnp.int8), r"dtype: expected .*got int8"),
+        (
+            lambda: formats.packed_row_bytes("nvfp4", 100),
             r"dim: expected a positive dim that is a multiple of the nvfp4 group size 16, "
             r"got dim=100",
         ),
         (
-            lambda: quant.packed_row_bytes("v4_fp8", 512, rope_dim=60),
+            lambda: formats.packed_row_bytes("v4_fp8", 512, rope_dim=60),
             r"dim: expected a positive dim - rope_dim .*group size 64, got dim=512, rope_dim=60",
         ),
         (
-            lambda: quant.packed_row_bytes("v4_fp8", 512, rope_dim=600),
+            lambda: formats.packed_row_bytes("v4_fp8", 512, rope_dim=600),
             r"rope_dim: expected 0 <= rope_dim <= dim=512, got 600",
         ),
         (
-            lambda: quant.packed_row_bytes("int4", 512),
+            lambda: formats.packed_row_bytes("int4", 512),
             r"fmt: expected one of .*'v4_fp8'\], got 'int4'",
         ),
     ],
@@ -608,7 +614,7 @@ def test_gpu_matches_cpu(fmt, dtype):
         y = fake_quant_jit(jax.device_put(x, device), fmt)
         rows = pack_jit(jax.device_put(finite, device), fmt)
         back = unpack_jit(rows, fmt, None, dtype=dtype)
-        e2m1 = jax.jit(quant.e2m1_round)(jax.device_put(x, device))
+        e2m1 = jax.jit(formats.e2m1_round)(jax.device_put(x, device))
         return [np.asarray(a) for a in (y, rows, back, e2m1)]
 
     gpu, cpu = run(jax.devices("gpu")[0]), run(jax.devices("cpu")[0])
@@ -620,11 +626,11 @@ def test_gpu_matches_cpu(fmt, dtype):
 def test_f32_format_is_the_identity_with_4_byte_rows():
     x = np.random.default_rng(11).standard_normal(SHAPE).astype(F32)
     x[0, :4] = [0.0, -0.0, 1e-45, -3.4e38]  # signed zero, a subnormal, near the float32 max
-    assert quant.packed_row_bytes("f32", SHAPE[-1]) == 4 * SHAPE[-1]
+    assert formats.packed_row_bytes("f32", SHAPE[-1]) == 4 * SHAPE[-1]
     assert_bits_equal(fake_quant_jit(x, "f32"), x)
     rows = pack_jit(x, "f32")
     assert_bits_equal(rows, x.view(np.uint8))  # the values' little-endian bytes
     assert_bits_equal(unpack_jit(rows, "f32", SHAPE[-1]), x)
     cotangent = np.random.default_rng(12).standard_normal(SHAPE).astype(F32)
-    _, vjp = jax.vjp(lambda v: quant.fake_quant(v, "f32"), x)
+    _, vjp = jax.vjp(lambda v: formats.fake_quant(v, "f32"), x)
     assert_bits_equal(vjp(cotangent)[0], cotangent)

@@ -10,7 +10,7 @@ The pure jnp definitions that the indexer modules, the pooled-scoring kernel and
   out-of-pool picks when the pool holds fewer than k positions (`v41_architecture.md` §3 step 11).
 - `indices_to_mask`: the inverse of a selection, a boolean mask from −1 padded indices.
 
-Argument checks come from `v41jax._checks`, shared with `pool`, `sparse_attention` and
+Argument checks come from `v41jax.ops.checks`, shared with `pool`, `sparse_attention` and
 `diagnostics`.
 """
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from v41jax._checks import (
+from v41jax.ops.checks import (
     as_lengths,
     require_broadcast,
     require_dtype,

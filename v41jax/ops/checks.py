@@ -1,15 +1,17 @@
-"""Argument checks shared by the pure modules (`scoring`, `pool`, `sparse_attention`,
-`diagnostics`), so that every boundary reports a bad input the same way: the argument's name,
-what was expected, what was received.
+"""Argument checks shared by the ops and the layers above them, so that every boundary reports a
+bad input the same way: the argument's name, what was expected, what was received.
 
-They run at trace time and see shapes and dtypes only; values cannot be checked under jit (the
-checkify invariants of `v41jax.invariants` cover those, in debug mode).
+The `require_*` checks run at trace time and see shapes and dtypes only. Values cannot be checked
+under jit: `check_finite` stages a checkify check instead (reported under `checkify.checkify`, as
+`prefill(..., debug=True)` runs it; eagerly it raises), like the selection invariants of
+`v41jax.ops.invariants`.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jaxtyping import Array, ArrayLike, Int
 
 
@@ -57,3 +59,12 @@ def as_lengths(name: str, lengths: ArrayLike, target: tuple[int, ...]) -> Int[Ar
     require_dtype(name, lengths, "integer")
     require_broadcast(name, lengths.shape, target)
     return jnp.broadcast_to(lengths, target)
+
+
+def check_finite(x: ArrayLike, name: str = "x") -> None:
+    """Stages a checkify check that every value of `x` is finite. Inside `checkify.checkify`
+    (also under `jit`) a failure is reported in the returned error; eagerly it raises."""
+    bad = ~jnp.isfinite(jnp.asarray(x))
+    checkify.check(
+        ~jnp.any(bad), f"{name}: expected finite values, got {{}} non-finite", jnp.sum(bad)
+    )

@@ -10,23 +10,26 @@ scale = D^-0.5 by default. Invalid keys (window slots marked invalid, index −1
 query with no valid key outputs exactly zero (the sink then holds all the mass), never NaN.
 Duplicated indices count twice, as in the reference (there is no deduplication, §5).
 
-This module is the XLA reference that the FP4-dequant Pallas kernel will plug into through
-`implementation=` (DESIGN §6); it gathers the keys, then does dense float32 math.
+Three forms of the one op, all built on `softmax_with_sink`:
+- `sparse_attention`: queries with per-query indices into a float compressed KV (the definition);
+- `packed_sparse_attention`: the same over the packed caches of decode (gather the selected
+  packed rows, unpack only those, `sparse_attention`): the definition the FP4-dequant kernel of
+  `pallas_kernels.sparse_attention` is tested against (DESIGN §6);
+- `masked_attention`: a whole sequence with the selection as a [T, S] mask (prefill, training).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Literal, NamedTuple, overload
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, UInt8
 
-from v41jax._checks import require_broadcast, require_dtype, require_min_ndim
+from v41jax.ops import formats
+from v41jax.ops.checks import require_broadcast, require_dtype, require_min_ndim
 
 
 class SparseAttentionResult(NamedTuple):
@@ -86,15 +89,18 @@ def _sparse_attention_xla(
     logits = jnp.einsum(
         "...hd,...jd->...hj", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST
     )
-    probs, lse = _softmax_with_sink(logits * scale, valid[..., None, :], sink)
+    probs, lse = softmax_with_sink(logits * scale, valid[..., None, :], sink)
     out = jnp.einsum("...hj,...jd->...hd", probs, keys, precision=lax.Precision.HIGHEST)
     return SparseAttentionResult(out, probs, lse)
 
 
-def _softmax_with_sink(
+def softmax_with_sink(
     logits: Float[Array, "*batch head key"], valid: Bool[Array, "*#batch #head key"], sink
 ) -> tuple[Float[Array, "*batch head key"], Float[Array, "*batch head"]]:
-    """Softmax over the valid keys and the per-head sink logit; (probs, lse). 0 at invalid keys."""
+    """Softmax over the valid keys and the per-head sink logit; (probs, lse). 0 at invalid keys.
+
+    The sink is one more logit per head with a zero value vector (DESIGN §3 step 4): it takes
+    part in the normaliser only, so a row's probabilities sum to 1 − (the sink's share)."""
     logits = jnp.where(valid, logits, -jnp.inf)
     sink = jnp.broadcast_to(sink.astype(jnp.float32), logits.shape[:-1])
     # The sink takes part in the running max, so an empty row has a finite max and exact zeros.
@@ -156,17 +162,11 @@ def masked_attention(
         axis=-1,
     )
     valid = jnp.concatenate([window_valid, key_mask], axis=-1)[..., None, :]
-    probs, lse = _softmax_with_sink(logits * scale, valid, sink)
+    probs, lse = softmax_with_sink(logits * scale, valid, sink)
     n_window = window_kv.shape[-2]
     out = jnp.einsum("bthw,btwd->bthd", probs[..., :n_window], window_kv, precision=hi)
     out = out + jnp.einsum("bths,bsd->bthd", probs[..., n_window:], kv, precision=hi)
     return SparseAttentionResult(out, probs, lse)
-
-
-IMPLEMENTATIONS: Mapping[str, Callable[..., SparseAttentionResult]] = MappingProxyType(
-    {"xla": _sparse_attention_xla}
-)
-"""Backends by name; each takes the validated arguments of `sparse_attention` (scale resolved)."""
 
 
 def _resolve_scale(scale: float | Float[Array, ""] | None, dim: int) -> float | Float[Array, ""]:
@@ -196,7 +196,6 @@ def sparse_attention(
     *,
     scale: float | Float[Array, ""] | None = None,
     return_probs: Literal[False] = False,
-    implementation: str = "xla",
 ) -> Float[Array, "*batch head dim"]: ...
 
 
@@ -211,7 +210,6 @@ def sparse_attention(
     *,
     scale: float | Float[Array, ""] | None = None,
     return_probs: Literal[True],
-    implementation: str = "xla",
 ) -> SparseAttentionResult: ...
 
 
@@ -225,7 +223,6 @@ def sparse_attention(
     *,
     scale: float | Float[Array, ""] | None = None,
     return_probs: bool = False,
-    implementation: str = "xla",
 ) -> Float[Array, "*batch head dim"] | SparseAttentionResult:
     """Window + top-k + sink attention of one or many queries (DESIGN §3 step 4).
 
@@ -249,17 +246,12 @@ def sparse_attention(
       sink: [H] per-head sink logit, added unscaled with a zero value; −inf disables it.
       scale: logit scale (a number, or a float scalar array under jit); default D^-0.5.
       return_probs: also return the per-slot probabilities and the log-sum-exp.
-      implementation: backend name in `IMPLEMENTATIONS` ('xla').
 
     Returns:
       out [..., H, D] float32, or `SparseAttentionResult(out, probs, lse)` if return_probs.
     """
     q, window_kv, window_valid = jnp.asarray(q), jnp.asarray(window_kv), jnp.asarray(window_valid)
     kv, indices, sink = jnp.asarray(kv), jnp.asarray(indices), jnp.asarray(sink)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation: expected one of {sorted(IMPLEMENTATIONS)}, got {implementation!r}"
-        )
     for name, x, kind, ndim, layout in (
         ("q", q, "floating", 2, "[..., H, D]"),
         ("window_kv", window_kv, "floating", 2, "[..., W, D]"),
@@ -281,10 +273,100 @@ def sparse_attention(
         raise ValueError(f"sink: expected shape ({n_heads},) (q's H), got {sink.shape}")
     scale = _resolve_scale(scale, dim)
 
-    result = IMPLEMENTATIONS[implementation](q, window_kv, window_valid, kv, indices, sink, scale)
+    result = _sparse_attention_xla(q, window_kv, window_valid, kv, indices, sink, scale)
     n_keys = window_kv.shape[-2] + indices.shape[-1]
     chex.assert_shape(
         result, [(*batch, n_heads, dim), (*batch, n_heads, n_keys), (*batch, n_heads)]
     )
     chex.assert_type(result, jnp.float32)
     return result if return_probs else result.out
+
+
+def check_packed_attention_args(
+    q: Array,
+    kv_packed: Array,
+    indices: Array,
+    window_packed: Array,
+    window_valid: Array,
+    sink: Array,
+    kv_fmt: str,
+    window_fmt: str,
+) -> None:
+    """The argument checks of `packed_sparse_attention`, which every implementation of the op
+    runs (the kernels included): each names the bad argument, the expected and received value."""
+    for name, x, ndim, layout, kind in (
+        ("q", q, 3, "[B, H, D]", jnp.floating),
+        ("kv_packed", kv_packed, 3, "[B, S, row_bytes]", jnp.unsignedinteger),
+        ("indices", indices, 2, "[B, K]", jnp.integer),
+        ("window_packed", window_packed, 3, "[B, W, row_bytes]", jnp.unsignedinteger),
+        ("window_valid", window_valid, 2, "[B, W]", jnp.bool_),
+        ("sink", sink, 1, "[H]", jnp.floating),
+    ):
+        if x.ndim != ndim or not jnp.issubdtype(x.dtype, kind):
+            raise ValueError(f"{name}: expected {layout} {kind.__name__}, got {x.dtype}{x.shape}")
+    batch, n_heads, dim = q.shape
+    for name, x, fmt in (
+        ("kv_packed", kv_packed, kv_fmt),
+        ("window_packed", window_packed, window_fmt),
+    ):
+        want = (batch, x.shape[1], formats.packed_row_bytes(fmt, dim))
+        if x.shape != want or x.dtype != jnp.uint8:
+            raise ValueError(
+                f"{name}: expected uint8{want} ({fmt} rows of D = {dim}), got {x.dtype}{x.shape}"
+            )
+    if indices.shape[0] != batch:
+        raise ValueError(f"indices: expected [{batch}, K] (q's B), got {indices.shape}")
+    if window_valid.shape != window_packed.shape[:2]:
+        raise ValueError(
+            f"window_valid: expected {window_packed.shape[:2]} (window_packed's [B, W]), "
+            f"got {window_valid.shape}"
+        )
+    if sink.shape != (n_heads,):
+        raise ValueError(f"sink: expected shape ({n_heads},) (q's H), got {sink.shape}")
+
+
+def packed_sparse_attention(
+    q: Float[Array, "batch head dim"],
+    kv_packed: UInt8[Array, "batch n_kv kv_row"],
+    indices: Int[Array, "batch topk"],
+    window_packed: UInt8[Array, "batch window window_row"],
+    window_valid: Bool[Array, "batch window"],
+    sink: Float[Array, " head"],
+    *,
+    kv_fmt: str = "nvfp4",
+    window_fmt: str = "fp8",
+    scale: float | None = None,
+) -> Float[Array, "batch head dim"]:
+    """Window + top-k + sink attention of B single queries over packed caches (decode; float32).
+
+    Gathers the selected packed main-KV rows, unpacks only those (what a kernel must read),
+    unpacks the window rows, then runs `sparse_attention` with the selected rows as a per-query
+    KV of K rows indexed 0..K−1 (−1 where the original index is invalid), so every semantic rule
+    lives in `sparse_attention`.
+
+    Args:
+      q: [B, H, D] queries (bf16 or f32).
+      kv_packed: [B, S, packed_row_bytes(kv_fmt, D)] uint8: each query's compressed cache.
+      indices: [B, K] integer rows of kv_packed; −1 (any value outside [0, S)) skips the slot.
+      window_packed: [B, W, packed_row_bytes(window_fmt, D)] uint8: each query's window rows.
+      window_valid: [B, W] bool, False at slots to skip (a ring slot not yet written).
+      sink: [H] float sink logits (−inf disables the sink).
+      kv_fmt, window_fmt: packed formats (`formats.FORMATS`).
+      scale: logit scale; default D^-0.5.
+
+    Returns:
+      [B, H, D] float32.
+    """
+    q, kv_packed, indices = jnp.asarray(q), jnp.asarray(kv_packed), jnp.asarray(indices)
+    window_packed, window_valid = jnp.asarray(window_packed), jnp.asarray(window_valid)
+    sink = jnp.asarray(sink)
+    check_packed_attention_args(
+        q, kv_packed, indices, window_packed, window_valid, sink, kv_fmt, window_fmt
+    )
+    dim = q.shape[-1]
+    valid = (indices >= 0) & (indices < kv_packed.shape[1])
+    rows = jnp.take_along_axis(kv_packed, jnp.where(valid, indices, 0)[..., None], axis=1)
+    selected = formats.unpack(rows, kv_fmt, dim)
+    window = formats.unpack(window_packed, window_fmt, dim)
+    local = jnp.where(valid, jnp.arange(indices.shape[-1], dtype=jnp.int32), -1)
+    return sparse_attention(q, window, window_valid, selected, local, sink, scale=scale)

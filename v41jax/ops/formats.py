@@ -12,7 +12,9 @@ DESIGN §4 fixes the rules (all over the last axis, groups of consecutive values
 
 Elements are x / s (float32 division) clamped to the element's max (6 or 448) and rounded to
 nearest even; the dequantized value is element · s. 'v4_fp8' (DeepSeek-V4's legacy 584 B row) is
-registered for byte accounting only.
+registered for byte accounting only. Each format says which caches may store it (`Format.uses`:
+'kv' main KV, 'index' index keys and indexer queries, 'window' window KV); the model config and
+the CLI read their choices from here (`formats_for`).
 
 No rounding here is a cast round trip through float4/float8/bfloat16: under `jit` on the GPU,
 XLA's excess-precision pass deletes those (DESIGN §4, first trap). Rounding is integer arithmetic
@@ -45,9 +47,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import checkify
 from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Float, Int, UInt8
+
+from v41jax.ops.checks import check_finite
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BITS = {"e2m1": 4, "e4m3": 8, "e8m0": 8, "bf16": 16, "f32": 32}
@@ -69,6 +72,8 @@ class Format:
         quantized ones (only 'v4_fp8': bf16); None when they are quantized like the rest.
       scale_align: the scale bytes of a row are padded up to a multiple of this.
       accounting_only: the format only answers `packed_row_bytes`; it has no fake-quant or packing.
+      uses: the caches that may store it: 'kv' (main KV), 'index' (index keys and indexer
+        queries), 'window' (sliding-window KV).
     """
 
     name: str
@@ -79,23 +84,54 @@ class Format:
     rope_element: str | None = None
     scale_align: int = 1
     accounting_only: bool = False
+    uses: frozenset[str] = frozenset({"kv", "index", "window"})
 
+
+CACHE_ROLES = ("kv", "index", "window")
+"""The caches a `Format` can be used for (`Format.uses`)."""
 
 FORMATS: Mapping[str, Format] = types.MappingProxyType(
     {
-        "nvfp4": Format("nvfp4", 16, "e2m1", "e4m3", amax_floor=6 * 2.0**-9),
-        "mxfp4": Format("mxfp4", 32, "e2m1", "e8m0", amax_floor=6 * 2.0**-126),
-        "fp8": Format("fp8", 32, "e4m3", "e8m0", amax_floor=1e-4),
+        "nvfp4": Format(
+            "nvfp4", 16, "e2m1", "e4m3", amax_floor=6 * 2.0**-9, uses=frozenset({"kv"})
+        ),
+        "mxfp4": Format(
+            "mxfp4", 32, "e2m1", "e8m0", amax_floor=6 * 2.0**-126, uses=frozenset({"kv", "index"})
+        ),
+        "fp8": Format("fp8", 32, "e4m3", "e8m0", amax_floor=1e-4, uses=frozenset({"kv", "window"})),
         "bf16": Format("bf16", 1, "bf16", None),
         # Identity: the exact reference, e.g. to check prefill against decode without rounding.
         "f32": Format("f32", 1, "f32", None),
         # DeepSeek-V4's main-KV row: 448 E4M3 nope values with one UE8M0 scale per 64 (7 bytes,
         # padded to 8) and the 64 rope dims kept in bf16: 448 + 8 + 128 = 584 B.
         "v4_fp8": Format(
-            "v4_fp8", 64, "e4m3", "e8m0", rope_element="bf16", scale_align=8, accounting_only=True
+            "v4_fp8",
+            64,
+            "e4m3",
+            "e8m0",
+            rope_element="bf16",
+            scale_align=8,
+            accounting_only=True,
+            uses=frozenset({"kv"}),
         ),
     }
 )
+
+
+def formats_for(use: str, *, quantizable: bool = False) -> tuple[str, ...]:
+    """Names of the registered formats a cache may store, in registry order.
+
+    Args:
+      use: 'kv' (main KV), 'index' (index keys) or 'window' (window KV).
+      quantizable: leave out the accounting-only formats (what a model can run with).
+    """
+    if use not in CACHE_ROLES:
+        raise ValueError(f"use: expected one of {CACHE_ROLES}, got {use!r}")
+    return tuple(
+        name
+        for name, f in FORMATS.items()
+        if use in f.uses and not (quantizable and f.accounting_only)
+    )
 
 
 def _format(fmt: str, *, quantizable: bool = True) -> Format:
@@ -554,67 +590,9 @@ def unpack(
     return _decode_blocks(codes, scale_codes, f).astype(dtype)
 
 
-def pack_nvfp4(x: Float[ArrayLike, "*batch dim"]) -> UInt8[Array, "*batch row_bytes"]:
-    """Main-KV rows: dim/2 E2M1 bytes (even index in the low nibble) + dim/16 E4M3 scale bytes;
-    288 B for dim=512 (DESIGN §4). See `pack`."""
-    return pack(x, "nvfp4")
-
-
-def unpack_nvfp4(
-    rows: UInt8[ArrayLike, "*batch row_bytes"],
-    dim: int | None = None,
-    *,
-    dtype: DTypeLike = jnp.float32,
-) -> Float[Array, "*batch dim"]:
-    """Inverse of `pack_nvfp4`: equals `nvfp4_fake_quant` bit for bit. See `unpack`."""
-    return unpack(rows, "nvfp4", dim, dtype=dtype)
-
-
-def pack_mxfp4(x: Float[ArrayLike, "*batch dim"]) -> UInt8[Array, "*batch row_bytes"]:
-    """Index-K rows: dim/2 E2M1 bytes (even index in the low nibble) + dim/32 E8M0 scale bytes;
-    68 B for dim=128 (DESIGN §4; the order of the 68 bytes is this project's choice). See
-    `pack`."""
-    return pack(x, "mxfp4")
-
-
-def unpack_mxfp4(
-    rows: UInt8[ArrayLike, "*batch row_bytes"],
-    dim: int | None = None,
-    *,
-    dtype: DTypeLike = jnp.float32,
-) -> Float[Array, "*batch dim"]:
-    """Inverse of `pack_mxfp4`: equals `mxfp4_fake_quant` bit for bit. See `unpack`."""
-    return unpack(rows, "mxfp4", dim, dtype=dtype)
-
-
-def pack_fp8_window(x: Float[ArrayLike, "*batch dim"]) -> UInt8[Array, "*batch row_bytes"]:
-    """Window rows: dim E4M3 bytes + dim/32 UE8M0 scale bytes; 528 B for dim=512 (DESIGN §4).
-    See `pack`."""
-    return pack(x, "fp8")
-
-
-def unpack_fp8_window(
-    rows: UInt8[ArrayLike, "*batch row_bytes"],
-    dim: int | None = None,
-    *,
-    dtype: DTypeLike = jnp.float32,
-) -> Float[Array, "*batch dim"]:
-    """Inverse of `pack_fp8_window`: equals `fp8_window_fake_quant` bit for bit. See `unpack`."""
-    return unpack(rows, "fp8", dim, dtype=dtype)
-
-
-def check_finite(x: ArrayLike, name: str = "x") -> None:
-    """`checkify.check` that every value of `x` is finite; inside `checkify.checkify` (also under
-    `jit`) a failure is reported in the returned error, eagerly it raises."""
-    bad = ~jnp.isfinite(jnp.asarray(x))
-    checkify.check(
-        ~jnp.any(bad), f"{name}: expected finite values, got {{}} non-finite", jnp.sum(bad)
-    )
-
-
 def checked_pack(x: Float[ArrayLike, "*batch dim"], fmt: str) -> UInt8[Array, "*batch row_bytes"]:
     """`pack` that also reports non-finite input under `jit`: wrap it as
     `err, rows = checkify.checkify(jax.jit(checked_pack, static_argnums=1))(x, fmt)` and call
     `err.throw()`."""
-    check_finite(x)
+    check_finite(x, "x")
     return pack(x, fmt)

@@ -1,6 +1,6 @@
 """FP4-dequant sparse attention through the Pallas Triton backend: the stepping stone.
 
-DESIGN §6 kernel 2, the same contract as `sparse_attention_mgpu` (bf16 output), written the plain
+DESIGN §6 kernel 2, the same contract as `kernel_mgpu` (bf16 output), written the plain
 way: one program per (query, 64 heads); each chunk of 64 key slots is gathered with per-element
 pointer arithmetic (a byte per dim for the E2M1 nibbles, a byte per dim for the scales: the
 duplicate addresses hit L1), decoded with float arithmetic, and fed to two `jnp.dot`s (bf16 in,
@@ -20,11 +20,23 @@ import jax.experimental.pallas.triton as plt
 import jax.numpy as jnp
 from jax import lax
 
-from v41jax import quant
+from pallas_kernels.dispatch import Support, support
+from v41jax.ops import formats
 
 BLOCK_HEADS = 64
 BLOCK_KV = 64
 _LOG2E = math.log2(math.e)
+
+
+def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
+    """Whether the kernel takes attention over `kv_fmt` main-KV rows and `window_fmt` window rows
+    of `dim` values: NVFP4 main KV, FP8 window, D a power of two >= 32 (Triton blocks)."""
+    return support(
+        "the FP4 sparse-attention Triton kernel",
+        (kv_fmt == "nvfp4", "kv_fmt", "'nvfp4'", kv_fmt),
+        (window_fmt == "fp8", "window_fmt", "'fp8'", window_fmt),
+        (dim >= 32 and not dim & (dim - 1), "dim", "a power of two >= 32", dim),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,17 +145,13 @@ def fp4_sparse_attention_triton(
     config: TuningConfig = TuningConfig(),
     interpret: bool = False,
 ) -> jax.Array:
-    """Triton forward of `fp4_sparse_attention_reference`; arguments as in
-    `sparse_attention_mgpu.fp4_sparse_attention_mgpu` (D a power of two). Returns [B, H, D]
+    """Triton forward of `v41jax.ops.attention.packed_sparse_attention`; arguments as in
+    `kernel_mgpu.fp4_sparse_attention_mgpu` (a call `supports` takes). Returns [B, H, D]
     bfloat16."""
-    if (kv_fmt, window_fmt) != ("nvfp4", "fp8"):
-        raise ValueError(
-            f"kv_fmt, window_fmt: the Triton kernel decodes ('nvfp4', 'fp8'), "
-            f"got {(kv_fmt, window_fmt)!r}"
-        )
     batch, n_heads, dim = q.shape
-    if dim < 32 or dim & (dim - 1):
-        raise ValueError(f"q: expected D a power of two >= 32 (Triton blocks), got D = {dim}")
+    supported = supports(kv_fmt=kv_fmt, window_fmt=window_fmt, dim=dim)
+    if not supported:
+        raise supported.error()
     scale = dim**-0.5 if scale is None else scale
     n_kv, n_window = kv_packed.shape[1], window_packed.shape[1]
     heads = _round_up(max(n_heads, 1), BLOCK_HEADS)
@@ -157,9 +165,9 @@ def fp4_sparse_attention_triton(
     window_slots, topk_slots = pad(window_slots), pad(topk_slots)
     slots = jnp.concatenate([window_slots, topk_slots], axis=1)
     if n_kv == 0:  # a clamped −1 slot still reads row 0
-        kv_packed = jnp.zeros((batch, 1, quant.packed_row_bytes("nvfp4", dim)), jnp.uint8)
+        kv_packed = jnp.zeros((batch, 1, formats.packed_row_bytes("nvfp4", dim)), jnp.uint8)
     if n_window == 0:
-        window_packed = jnp.zeros((batch, 1, quant.packed_row_bytes("fp8", dim)), jnp.uint8)
+        window_packed = jnp.zeros((batch, 1, formats.packed_row_bytes("fp8", dim)), jnp.uint8)
 
     kernel = functools.partial(
         _kernel,

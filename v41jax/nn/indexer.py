@@ -4,21 +4,22 @@ Queries come from the shared low-rank query latent `qr` (the one the main attent
 from the pre-RoPE compressed latent: k = RMSNorm(wk(latent)). Both get RoPE on their tail at
 their own positions (tokens for queries, j·ratio for keys) and the index format's fake-quant
 (MXFP4 by default). Head weights are w = weights_proj(x) / sqrt(index_head_dim · index_n_heads).
-The scores themselves are `v41jax.scoring.index_scores`, a pure function.
+The scores themselves are `v41jax.ops.scoring.index_scores`, a pure function.
 
 A Full layer's indexer owns keys (`wk`, `k_norm`); a Reindex layer's has the query side only and
-scores the latest Full layer's keys.
+scores the latest Full layer's keys. The indexer's training signal, `indexer_kl`, is here too.
 """
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from v41jax import quant
-from v41jax.config import ModelConfig
-from v41jax.rope import apply_rope
+from v41jax.nn.config import ModelConfig
+from v41jax.nn.rope import apply_rope
+from v41jax.ops import formats
 
 
 class Indexer(nnx.Module):
@@ -39,7 +40,7 @@ class Indexer(nnx.Module):
     def _rotate_and_quantize(self, x, positions):
         c = self.config
         x = apply_rope(x, positions, c.rope_head_dim, c.compress_rope_theta)
-        return quant.fake_quant(x, c.index_format)
+        return formats.fake_quant(x, c.index_format)
 
     def queries(
         self,
@@ -63,3 +64,35 @@ class Indexer(nnx.Module):
                 "Indexer.keys: this indexer belongs to a Reindex layer and owns no keys"
             )
         return self._rotate_and_quantize(self.k_norm(self.wk(latent)), entry_positions)
+
+
+def indexer_kl(
+    scores: Float[Array, "*rows s"],
+    probs: Float[Array, "*rows heads s"],
+    key_mask: Bool[Array, "*rows s"],
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """The indexer's KL loss over the keys a layer attended to (DESIGN §7, DSA / Megatron CSA2).
+
+    Target: the main attention's probabilities of those keys (each head normalized over window,
+    selected keys and sink, as the layer computed them), summed over heads and renormalized over
+    the keys, detached. Student: log-softmax of the index scores over the same keys. Returns
+    (Σ over query rows of KL(target ‖ student), the number of rows that have a key); rows without
+    a key contribute nothing.
+
+    Args:
+      scores: [..., S] index scores (finite at every position `key_mask` holds).
+      probs: [..., H, S] main-attention probabilities of the compressed positions.
+      key_mask: [..., S] the keys the layer attended to.
+    """
+    target = jax.lax.stop_gradient(jnp.sum(probs, axis=-2))
+    target = jnp.where(key_mask, target, 0.0)
+    total = jnp.sum(target, axis=-1, keepdims=True)
+    has_key = total[..., 0] > 0
+    target = target / jnp.where(has_key[..., None], total, 1.0)
+    student = jnp.where(key_mask & has_key[..., None], scores, -jnp.inf)
+    log_student = jax.nn.log_softmax(jnp.where(has_key[..., None], student, 0.0), axis=-1)
+    positive = target > 0
+    log_target = jnp.log(jnp.where(positive, target, 1.0))
+    terms = jnp.where(positive, target * (log_target - log_student), 0.0)
+    kl = jnp.where(has_key, jnp.sum(terms, axis=-1), 0.0)
+    return jnp.sum(kl), jnp.sum(has_key).astype(jnp.float32)

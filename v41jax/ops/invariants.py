@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 from jaxtyping import Array, Int
 
-from v41jax.pool import CandidatePool
+from v41jax.ops.pool import CandidatePool
 
 
 def check_selection(
@@ -63,8 +63,3 @@ def check_selection(
     if restricted:
         in_pool = jnp.take_along_axis(mask, jnp.maximum(topk, 0), axis=-1) | ~valid
         checkify.check(jnp.all(in_pool), f"layer {layer}: a Reindex pick lies outside the pool")
-
-
-def check_finite(name: str, x: Array) -> None:
-    """Stages a check that `x` holds no NaN or ±inf."""
-    checkify.check(jnp.all(jnp.isfinite(x)), f"{name}: non-finite values (NaN or inf)")

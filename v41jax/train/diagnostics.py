@@ -10,7 +10,7 @@ Recalls come back as a `Fraction(value, count)` so results of several batches, l
 can be merged exactly: Σ value·count / Σ count. When nothing is counted, value is 0 and count 0
 (no NaN); a consumer must look at count.
 
-Index arguments follow `scoring.topk`: [..., k] integer positions, −1 (anything outside
+Index arguments follow `v41jax.ops.scoring.topk`: [..., k] integer positions, −1 (anything outside
 [0, n_pos)) for no pick.
 """
 
@@ -22,14 +22,14 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from v41jax._checks import (
+from v41jax.ops.checks import (
     as_lengths,
     require_broadcast,
     require_dtype,
     require_min_ndim,
     require_nonnegative_int,
 )
-from v41jax.scoring import indices_to_mask
+from v41jax.ops.scoring import indices_to_mask
 
 DEFAULT_DISTANCE_EDGES = (64, 512)
 """Bucket edges of `recall_by_distance`: distance < 64, 64 ≤ distance < 512, ≥ 512."""

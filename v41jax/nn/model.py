@@ -1,7 +1,7 @@
 """The toy V4.1 model: embedding, a stack of CSA2 attention + SwiGLU blocks, and a head.
 
 `Model.__call__` runs a whole (padded) batch, as training does. `prefill` and `decode_step` serve
-from the packed cache of `v41jax.cache`; a prefill over T tokens and T decode steps give the same
+from the packed cache of `v41jax.nn.cache`; a prefill over T tokens and T decode steps give the same
 logits (to float tolerance) and the same selections (DESIGN §3). `decode_step` also runs on the
 Pallas kernels (`implementation='pallas'`, DESIGN §6), which read the packed cache directly.
 """
@@ -16,32 +16,12 @@ from flax import nnx
 from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
-from v41jax.attention import Attention, SharedState, check_implementation, check_kernel_config
-from v41jax.cache import Cache
-from v41jax.config import ModelConfig, Role
-from v41jax.invariants import check_finite
-
-
-class SwiGLU(nnx.Module):
-    """Dense SwiGLU FFN (the real model's MoE and hyper-connections are out of scope)."""
-
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
-        self.w1 = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
-        self.w3 = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
-        self.w2 = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        return self.w2(jax.nn.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nnx.Module):
-    """Pre-norm residual block: attention, then FFN."""
-
-    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        self.attn_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, rngs=rngs)
-        self.attn = Attention(config, config.layers[layer], rngs=rngs)
-        self.ffn_norm = nnx.RMSNorm(config.dim, epsilon=config.norm_eps, rngs=rngs)
-        self.ffn = SwiGLU(config.dim, config.ffn_dim, rngs=rngs)
+from v41jax.nn.blocks import Block, LayerTrace
+from v41jax.nn.cache import Cache
+from v41jax.nn.config import ModelConfig, Role
+from v41jax.nn.dispatch import check_implementation, check_kernel_config
+from v41jax.nn.selection import SharedState
+from v41jax.ops import check_finite
 
 
 class Selections(NamedTuple):
@@ -64,14 +44,6 @@ def _selections(config: ModelConfig, per_layer: list[SharedState]) -> Selections
         if plan.is_candidate_source:
             pool = shared.pool.block_ids
     return Selections(topk, pool)
-
-
-class LayerTrace(NamedTuple):
-    """One layer of `Model.run`: its normalized input, the shared state after it, its aux."""
-
-    x: Float[Array, "b t dim"]
-    shared: SharedState
-    aux: dict[str, Array]
 
 
 def indexer_kls(trace: list[LayerTrace]) -> list[Float[Array, ""]]:
@@ -113,7 +85,7 @@ class Model(nnx.Module):
     ) -> tuple[Float[Array, "b t vocab"], list[LayerTrace]]:
         """Logits of a padded batch, and per layer its input, published state and aux.
 
-        `debug` stages the value invariants of `v41jax.invariants` (run under checkify);
+        `debug` stages the value invariants of `v41jax.ops.invariants` (run under checkify);
         `dense`, `indexer_loss` and `diagnostics` are as in `Attention.__call__`.
         """
         check_implementation(implementation)
@@ -121,9 +93,8 @@ class Model(nnx.Module):
         h = self.embed(tokens)
         shared, trace = SharedState(), []
         for block in self.blocks:
-            x = block.attn_norm(h)
-            out, shared, aux = block.attn(
-                x,
+            h, shared, layer = block(
+                h,
                 shared,
                 implementation=implementation,
                 debug=debug,
@@ -131,12 +102,10 @@ class Model(nnx.Module):
                 indexer_loss=indexer_loss,
                 diagnostics=diagnostics,
             )
-            trace.append(LayerTrace(x, shared, aux))
-            h = h + out
-            h = h + block.ffn(block.ffn_norm(h))
+            trace.append(layer)
         logits = self.head(self.norm(h))
         if debug:
-            check_finite("logits", logits)
+            check_finite(logits, "logits")
         return logits, trace
 
     def __call__(self, tokens: Int[Array, "b t"], *, implementation: str = "xla"):
@@ -162,7 +131,7 @@ def _checked(fn, model: Model, *args, compile: bool = True, **static):
 def _prefill_impl(model: Model, tokens, lengths, *, max_len: int, implementation: str, debug):
     logits, trace = model.run(tokens, implementation=implementation, debug=debug)
     layers = tuple(
-        block.attn.prefill_cache(t.x, t.shared, lengths, max_len)
+        block.prefill_cache(t, lengths, max_len)
         for block, t in zip(model.blocks, trace, strict=True)
     )
     cache = Cache(lengths=lengths.astype(jnp.int32), layers=layers, max_len=max_len)
@@ -189,8 +158,8 @@ def prefill(
       tokens: [B, T] int token ids; row b is valid up to lengths[b] (the rest is padding).
       lengths: [B] int, 1 <= lengths[b] <= T.
       max_len: tokens the cache can hold per sequence (>= T).
-      implementation: 'xla' (`attention.PREFILL_IMPLEMENTATIONS`; the kernels serve decode).
-      debug: check the value invariants of `v41jax.invariants` (selected indices visible, pool
+      implementation: 'xla' (`dispatch.PREFILL_IMPLEMENTATIONS`; the kernels serve decode).
+      debug: check the value invariants of `v41jax.ops.invariants` (selected indices visible, pool
         within the visible positions with its newest block pinned, Reindex picks inside the
         pool, finite logits) and raise `checkify.JaxRuntimeError` naming the first that fails.
     """
@@ -219,17 +188,14 @@ def _decode_step_impl(model: Model, tokens, cache: Cache, *, implementation: str
     h = model.embed(tokens)
     shared, layers, states = SharedState(), [], []
     for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
-        x = block.attn_norm(h)
-        out, shared, layer_cache = block.attn.decode(
-            x, shared, layer_cache, positions, implementation=implementation, debug=debug
+        h, shared, layer_cache = block.decode(
+            h, shared, layer_cache, positions, implementation=implementation, debug=debug
         )
         layers.append(layer_cache)
         states.append(shared)
-        h = h + out
-        h = h + block.ffn(block.ffn_norm(h))
     logits = model.head(model.norm(h))
     if debug:
-        check_finite("logits", logits)
+        check_finite(logits, "logits")
     cache = cache.replace(lengths=positions + 1, layers=tuple(layers))
     return logits, cache, _selections(model.config, states)
 
@@ -249,11 +215,11 @@ def decode_step(
     the updated cache and the selections ([B, 1, ...] per index source); `debug` as in
     `prefill`.
 
-    `implementation` is one of `attention.IMPLEMENTATIONS`: 'xla' (gather, unpack, float32), or
+    `implementation` is one of `dispatch.IMPLEMENTATIONS`: 'xla' (gather, unpack, float32), or
     'pallas' on a Hopper GPU ('pallas_interpret': the same kernels interpreted on the CPU), where
     every layer with compressed KV attends with `fp4_sparse_attention` on the packed caches and
     every Reindex layer inside the candidate pool selects with `pooled_scores`. The kernels need
-    a config they can take (`attention.check_kernel_config` raises naming the fields otherwise;
+    a config they can take (`dispatch.check_kernel_config` raises naming the fields otherwise;
     `config.small_kernels()` is one). Their attention output is bf16 with float32 accumulation
     (~2e-3 relative error per layer), so at small_kernels() size logits differ from 'xla' by up
     to ~1e-2 of their RMS. That perturbation can also flip a later layer's near-tied top-k pick

@@ -1,7 +1,7 @@
 """Training with training-aware candidate pools, QAT and the indexer KL loss (DESIGN §7).
 
 Loss = task cross-entropy on the scored positions + `indexer_kl_weight` · the indexers' KL loss
-(`attention.indexer_kl`: target = the main attention over the keys the layer attended to, summed
+(`nn.indexer.indexer_kl`: target = the main attention over the keys the layer attended to, summed
 over heads, detached; the indexer reads its inputs through `stop_gradient`, so only indexer
 parameters receive this loss and nothing else does; the task loss cannot reach the indexer,
 whose output is an integer selection).
@@ -24,28 +24,52 @@ import functools
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
-from v41jax import config as config_lib
-from v41jax import tasks as tasks_lib
-from v41jax.model import Model, indexer_kls
+from v41jax.nn import config as config_lib
+from v41jax.nn.model import Model, indexer_kls
+from v41jax.train import evaluate as evaluate_lib
+from v41jax.train import tasks as tasks_lib
+
+Overrides = tuple[tuple[str, Any], ...]
+"""Field changes as sorted (name, value) pairs: hashable, comparable, JSON-able as a dict."""
+
+
+def _overrides(name: str, value: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Overrides:
+    """`value` (a mapping or (name, value) pairs) as sorted pairs; ValueError names `name`."""
+    try:
+        pairs = dict(value.items() if isinstance(value, Mapping) else value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"TrainConfig.{name}: expected a mapping or (name, value) pairs, got {value!r}"
+        ) from None
+    if not all(isinstance(k, str) for k in pairs):
+        raise ValueError(f"TrainConfig.{name}: expected field names as keys, got {list(pairs)}")
+    return tuple(sorted(pairs.items()))
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """One training run. Validated on construction.
 
+    The model and the task are nested, not re-declared: a preset plus `model_overrides` (any
+    `ModelConfig` fields) gives the model, a task name plus `task_overrides` (any field of the
+    task) the data. `make_config` builds one from a base and changes; the CLI and the studies
+    build theirs through it.
+
     Args:
-      preset: model preset (`config.PRESETS`).
-      task: task name (`tasks.make_task`); `task_overrides` change its fields.
+      preset: model preset (`nn.config.PRESETS`).
+      model_overrides: `ModelConfig` fields changed on the preset, e.g. {'kv_format': 'mxfp4',
+        'candidate_topk_blocks': 8} (a mapping or (name, value) pairs; stored sorted).
+      task: task name (`tasks.make_task`).
+      task_overrides: task fields changed, e.g. {'seq_len': 512}.
       steps: optimizer steps.
       batch_size: sequences per step.
       learning_rate: peak AdamW learning rate (linear warm-up, then cosine decay to 10 %).
@@ -56,8 +80,6 @@ class TrainConfig:
         attends to all visible compressed entries for the whole run: the baseline).
       dense_warmup_steps: steps of stage 1 (ignored when attention='dense').
       indexer_kl_weight: weight of the indexer KL loss (0 disables it).
-      kv_format, index_format, window_format, block_score: override the preset's (None keeps it).
-      candidate_topk_blocks, index_topk: override the preset's pool size and top-k.
       seed: parameter init and data seed; step k's batch depends only on (seed, k).
       eval_every: steps between evaluations (and at the end).
       eval_batches: batches per evaluation (drawn from a seed disjoint from training's).
@@ -66,8 +88,9 @@ class TrainConfig:
     """
 
     preset: str = "tiny"
+    model_overrides: Overrides = ()
     task: str = "passkey"
-    task_overrides: tuple[tuple[str, Any], ...] = ()
+    task_overrides: Overrides = ()
     steps: int = 400
     batch_size: int = 32
     learning_rate: float = 1e-2
@@ -77,12 +100,6 @@ class TrainConfig:
     attention: str = "sparse"
     dense_warmup_steps: int = 200
     indexer_kl_weight: float = 1.0
-    kv_format: str | None = None
-    index_format: str | None = None
-    window_format: str | None = None
-    block_score: str | None = None
-    candidate_topk_blocks: int | None = None
-    index_topk: int | None = None
     seed: int = 0
     eval_every: int = 100
     eval_batches: int = 8
@@ -90,7 +107,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
 
     def __post_init__(self):
-        object.__setattr__(self, "task_overrides", tuple(tuple(kv) for kv in self.task_overrides))
+        for name in ("model_overrides", "task_overrides"):
+            object.__setattr__(self, name, _overrides(name, getattr(self, name)))
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -111,35 +129,48 @@ class TrainConfig:
         self.make_task()
 
     def replace(self, **changes) -> TrainConfig:
+        """A copy with training fields changed (validated again); see `with_model` and
+        `with_task` for the nested configs, `make_config` for all three at once."""
         return dataclasses.replace(self, **changes)
+
+    def with_model(self, **changes) -> TrainConfig:
+        """A copy whose model overrides also hold `changes` (`ModelConfig` fields)."""
+        return self.replace(model_overrides=dict(self.model_overrides) | changes)
+
+    def with_task(self, **changes) -> TrainConfig:
+        """A copy whose task overrides also hold `changes` (task fields)."""
+        return self.replace(task_overrides=dict(self.task_overrides) | changes)
 
     def make_task(self) -> tasks_lib.RetrievalTask:
         return tasks_lib.make_task(self.task, **dict(self.task_overrides))
 
     def model_config(self) -> config_lib.ModelConfig:
-        overrides = {
-            name: getattr(self, name)
-            for name in (
-                "kv_format",
-                "index_format",
-                "window_format",
-                "block_score",
-                "candidate_topk_blocks",
-                "index_topk",
+        """The preset with `model_overrides` applied (validated by `ModelConfig`)."""
+        base = config_lib.preset(self.preset)
+        fields = {f.name for f in dataclasses.fields(base)}
+        unknown = sorted(set(dict(self.model_overrides)) - fields)
+        if unknown:
+            raise ValueError(
+                f"TrainConfig.model_overrides: expected ModelConfig fields, got {unknown}"
             )
-            if getattr(self, name) is not None
-        }
-        return config_lib.preset(self.preset).replace(**overrides)
+        return base.replace(**dict(self.model_overrides))
 
     def dense_at(self, step: int) -> bool:
         """Whether step `step` (0-based) attends densely."""
         return self.attention == "dense" or step < self.dense_warmup_steps
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as JSON-able data (overrides as objects); `from_json` reads it back."""
+        data = dataclasses.asdict(self)
+        for name in ("model_overrides", "task_overrides"):
+            data[name] = dict(getattr(self, name))
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> TrainConfig:
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown fields {unknown} (saved by another version?)")
         return cls(**data)
 
     @classmethod
@@ -155,6 +186,27 @@ class TrainConfig:
             eval_batches=1,
             checkpoint_every=2,
         ).replace(**changes)
+
+
+def make_config(
+    base: TrainConfig | None = None,
+    *,
+    model_changes: Mapping[str, Any] | None = None,
+    task_changes: Mapping[str, Any] | None = None,
+    **fields,
+) -> TrainConfig:
+    """`base` (default `TrainConfig()`) with training `fields` replaced and `model_changes` /
+    `task_changes` merged over its model and task overrides: the one way the CLI and the studies
+    build a run's config.
+
+    Values that are None are left as they are (unset command-line options)."""
+    cfg = (base or TrainConfig()).replace(**{k: v for k, v in fields.items() if v is not None})
+    model = {k: v for k, v in (model_changes or {}).items() if v is not None}
+    task = {k: v for k, v in (task_changes or {}).items() if v is not None}
+    return cfg.replace(
+        model_overrides=dict(cfg.model_overrides) | model,
+        task_overrides=dict(cfg.task_overrides) | task,
+    )
 
 
 def make_optimizer(model: Model, cfg: TrainConfig) -> nnx.Optimizer:
@@ -238,13 +290,45 @@ def train_step(
     return metrics
 
 
-def batches(task: tasks_lib.RetrievalTask, seed: int, start: int, batch_size: int) -> Iterator:
-    """Training batches from step `start` on; batch k depends only on (seed, k), so a resumed run
-    sees exactly the data of an uninterrupted one."""
-    step = start
-    while True:
-        yield task.batch_at(seed, step, batch_size)
-        step += 1
+StepHook = Callable[[int, dict[str, jax.Array]], bool | None]
+"""Called after each step with (steps done, the step's metrics as device arrays); returning
+True stops the loop after that step. Reading a metric waits for the step to finish."""
+
+
+def train_steps(
+    model: Model,
+    optimizer: nnx.Optimizer,
+    cfg: TrainConfig,
+    task: tasks_lib.RetrievalTask,
+    start: int,
+    end: int,
+    on_step: StepHook | None = None,
+) -> int:
+    """The training loop: steps `start`..`end`−1, step k on batch (cfg.seed, k) in its stage
+    (`cfg.dense_at(k)`), so a resumed run sees exactly the data of an uninterrupted one.
+
+    `run` drives it with logging, evaluation and checkpoints in `on_step`; a study that needs
+    another loop (timing every step, evaluating on its own schedule) passes its own hook.
+
+    Returns:
+      the number of steps done (`end`, or where `on_step` stopped the loop).
+    """
+    done = start
+    for step in range(start, end):
+        batch = task.batch_at(cfg.seed, step, cfg.batch_size)
+        metrics = train_step(
+            model,
+            optimizer,
+            jnp.asarray(batch.tokens),
+            jnp.asarray(batch.targets),
+            jnp.asarray(batch.loss_mask),
+            dense=cfg.dense_at(step),
+            indexer_kl_weight=cfg.indexer_kl_weight,
+        )
+        done = step + 1
+        if on_step is not None and on_step(done, metrics):
+            break
+    return done
 
 
 def build(cfg: TrainConfig) -> tuple[Model, nnx.Optimizer]:
@@ -261,10 +345,6 @@ def metrics_to_json(metrics: dict) -> dict:
 def dump_jsonl(path, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _np(x) -> np.ndarray:
-    return np.asarray(jax.device_get(x))
 
 
 # --- runs that survive: run directory, checkpoints, resume, Ctrl-C ---
@@ -380,8 +460,6 @@ def run(
     """
     from tqdm.auto import tqdm
 
-    from v41jax import evaluate as evaluate_lib
-
     run_dir = Path(run_dir)
     _prepare_run_dir(run_dir, cfg, resume)
     metrics_path = run_dir / "metrics.jsonl"
@@ -413,41 +491,34 @@ def run(
         return result
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=run_dir.name)
-    step, clock = start, time.perf_counter()
+    clock = time.perf_counter()
     result, evaluated_at = None, None
     if last_eval is not None:
         result = {k: v for k, v in last_eval.items() if k not in ("step", "split")}
         evaluated_at = start
+    trained = start  # updates the model holds: what a checkpoint must be saved as
+
+    def after_step(done: int, metrics: dict) -> bool:
+        nonlocal trained, result, evaluated_at
+        trained = done
+        if done % log_every == 0 or done == end:
+            record = metrics_to_json(metrics)
+            dump_jsonl(metrics_path, {"step": done, "split": "train", **record})
+            bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            result, evaluated_at = evaluate(done), done
+        out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
+        if done % cfg.checkpoint_every == 0 or done == end or out_of_time:
+            _save(manager, done, model, optimizer)
+        bar.update(1)
+        return out_of_time
+
     try:
-        for step in range(start, end):
-            batch = task.batch_at(cfg.seed, step, cfg.batch_size)
-            metrics = train_step(
-                model,
-                optimizer,
-                jnp.asarray(batch.tokens),
-                jnp.asarray(batch.targets),
-                jnp.asarray(batch.loss_mask),
-                dense=cfg.dense_at(step),
-                indexer_kl_weight=cfg.indexer_kl_weight,
-            )
-            done = step + 1
-            if done % log_every == 0 or done == end:
-                record = metrics_to_json(metrics)
-                dump_jsonl(metrics_path, {"step": done, "split": "train", **record})
-                bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                result, evaluated_at = evaluate(done), done
-            out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
-            if done % cfg.checkpoint_every == 0 or done == end or out_of_time:
-                _save(manager, done, model, optimizer)
-            bar.update(1)
-            if out_of_time:
-                break
-        step = done if end > start else start
+        step = train_steps(model, optimizer, cfg, task, start, end, after_step)
     except KeyboardInterrupt:
-        if step > start:
-            _save(manager, step, model, optimizer)
-            print(f"\ninterrupted: saved step {step} in {run_dir}; continue with resume")
+        if trained > start:
+            _save(manager, trained, model, optimizer)
+            print(f"\ninterrupted: saved step {trained} in {run_dir}; continue with resume")
         raise
     finally:
         bar.close()

@@ -22,12 +22,8 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from v41jax import quant
-
-KV_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16", "f32", "v4_fp8")
-INDEX_FORMATS = ("mxfp4", "bf16", "f32")
-WINDOW_FORMATS = ("fp8", "bf16", "f32")
-BLOCK_SCORES = ("max", "mean")
+from v41jax.ops import formats
+from v41jax.ops.pool import BLOCK_REDUCERS
 
 
 class Role(enum.StrEnum):
@@ -92,10 +88,12 @@ class ModelConfig:
         or None for no hierarchical pool.
       candidate_block_size: positions per candidate block.
       candidate_topk_blocks: blocks kept in each query's candidate pool.
-      block_score: block reducer of the candidate pool ('max' or 'mean').
-      kv_format: storage format of the main (compressed) KV.
-      index_format: storage format of the index keys (and fake-quant of indexer queries).
-      window_format: storage format of the sliding-window KV.
+      block_score: block reducer of the candidate pool, a name in `ops.pool.BLOCK_REDUCERS`
+        ('max' or 'mean').
+      kv_format: storage format of the main (compressed) KV (`ops.formats.formats_for('kv')`).
+      index_format: storage format of the index keys (and fake-quant of indexer queries;
+        `formats_for('index')`).
+      window_format: storage format of the sliding-window KV (`formats_for('window')`).
       dense_kv_layers: KV sources with no indexer that attend densely (V4's HCA); () for V4.1.
       vocab_size: embedding rows.
       ffn_dim: hidden width of the dense SwiGLU FFN (the real model's MoE is out of scope).
@@ -197,21 +195,21 @@ def _validate(c: ModelConfig) -> None:
     if c.n_heads % c.o_groups:
         _fail("o_groups", f"a divisor of n_heads={c.n_heads}", c.o_groups)
     for name, allowed in (
-        ("kv_format", KV_FORMATS),
-        ("index_format", INDEX_FORMATS),
-        ("window_format", WINDOW_FORMATS),
-        ("block_score", BLOCK_SCORES),
+        ("kv_format", formats.formats_for("kv")),
+        ("index_format", formats.formats_for("index")),
+        ("window_format", formats.formats_for("window")),
+        ("block_score", tuple(BLOCK_REDUCERS)),
     ):
         if getattr(c, name) not in allowed:
             _fail(name, f"one of {allowed}", getattr(c, name))
-    # The row layouts of `quant` know their own group sizes and constraints.
+    # The row layouts of `ops.formats` know their own group sizes and constraints.
     for name, fmt, width, rope in (
         ("head_dim", c.kv_format, c.head_dim, c.rope_head_dim),
         ("head_dim", c.window_format, c.head_dim, 0),
         ("index_head_dim", c.index_format, c.index_head_dim, 0),
     ):
         try:
-            quant.packed_row_bytes(fmt, width, rope_dim=rope)
+            formats.packed_row_bytes(fmt, width, rope_dim=rope)
         except ValueError as e:
             _fail(name, f"a width that the {fmt} layout can store ({e})", width)
 
@@ -454,9 +452,9 @@ def small() -> ModelConfig:
 
 
 def small_kernels() -> ModelConfig:
-    """small() shaped for the Pallas kernels: head_dim 512 (`fp4_sparse_attention` takes D = 256
-    or 512) and index_head_dim 128 (`pooled_scores`' kernel); NVFP4 main KV, FP8 window, MXFP4
-    index keys and candidate blocks of 8, as the kernels decode them. The toy that
+    """small() shaped for the Pallas kernels: head_dim 512 and index_head_dim 128, NVFP4 main KV,
+    FP8 window, MXFP4 index keys and candidate blocks of 8, as the kernels decode them (their
+    `supports` say so; `nn.dispatch.check_kernel_config` asks them). The toy that
     `model.decode_step(..., implementation='pallas')` runs on a Hopper GPU.
     """
     return small().replace(

@@ -22,9 +22,9 @@ The decode is PTX inlined through `plgpu.inline_mgpu` (sm_90 has no FP4 and no E
 instruction): E2M1 nibbles go through three byte-permute (`prmt`) look-ups per 4 values; E4M3
 bytes are placed in bf16's bit fields as value · 2⁻¹²⁰ (subnormals included) and rescaled; every
 product is exact in bf16 (DESIGN §4). CPU interpret mode cannot run inline PTX, so there the same
-kernel runs with `dequant='jnp'` (gather, then `v41jax.quant.unpack`), and the PTX programs are
-executed instruction by instruction in numpy by tests/test_sparse_attention_kernel.py, bit for
-bit against `quant.unpack`.
+kernel runs with `dequant='jnp'` (gather, then `v41jax.ops.formats.unpack`), and the PTX programs
+are executed instruction by instruction in numpy by tests/test_sparse_attention_kernel.py, bit
+for bit against `formats.unpack`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 from jaxtyping import Array, Float
 
-from v41jax import quant
+from pallas_kernels.dispatch import Support, support
+from v41jax.ops import formats
 
 BLOCK_HEADS = 64  # wgmma M: the heads of one CTA
 BLOCK_KV = 64  # keys per chunk
@@ -175,13 +176,29 @@ or.b32 $1, f, e;
 }"""
 
 
+HEAD_DIMS = (256, 512)
+"""The head dims (D) the kernel takes: two warpgroups each hold D/2 columns in 64-wide tiles."""
+
+
+def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
+    """Whether the kernel takes attention over `kv_fmt` main-KV rows and `window_fmt` window
+    rows of `dim` values: NVFP4 main KV, FP8 window, D in `HEAD_DIMS`. Any head count (padded
+    to 64) and any number of keys."""
+    return support(
+        "the FP4 sparse-attention Mosaic GPU kernel",
+        (kv_fmt == "nvfp4", "kv_fmt", "'nvfp4'", kv_fmt),
+        (window_fmt == "fp8", "window_fmt", "'fp8'", window_fmt),
+        (dim in HEAD_DIMS, "dim", " or ".join(map(str, HEAD_DIMS)), dim),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """Knobs of the Mosaic GPU kernel.
 
     Args:
       dequant: 'ptx' decodes with inline PTX (the GPU path); 'jnp' gathers and unpacks with
-        `v41jax.quant.unpack` inside the kernel (the only one interpret mode can run).
+        `v41jax.ops.formats.unpack` inside the kernel (the only one interpret mode can run).
       prefetch: load the packed rows of the next top-k chunk while this one computes. Off by
         default: on the H200 (2026-11-29) it cost 1.6 µs at batch 64 and 2.7 µs at 128,
         presumably through its 18 extra live registers (ptxas already reported 255 registers
@@ -444,12 +461,12 @@ def _ptx_dequant(geometry: _Geometry) -> _Dequant:
 
 
 def _jnp_dequant(geometry: _Geometry) -> _Dequant:
-    """The interpret-mode stand-in: gather whole rows and unpack them with `quant.unpack`."""
+    """The interpret-mode stand-in: gather whole rows and unpack them with `formats.unpack`."""
 
     def decode(rows_ref, slots_ref, dst_ref, fmt):
         slots = slots_ref[...]
         rows = jnp.take(rows_ref[...], jnp.maximum(slots, 0), axis=0)
-        values = jnp.where(slots[:, None] >= 0, quant.unpack(rows, fmt, geometry.dim), 0.0)
+        values = jnp.where(slots[:, None] >= 0, formats.unpack(rows, fmt, geometry.dim), 0.0)
         half = lax.dynamic_slice_in_dim(
             values, lax.axis_index("wg") * geometry.half, geometry.half, axis=1
         )
@@ -634,7 +651,8 @@ def fp4_sparse_attention_mgpu(
     config: TuningConfig = TuningConfig(),
     interpret: bool = False,
 ) -> jax.Array:
-    """Mosaic GPU forward of `fp4_sparse_attention_reference` (validated arguments).
+    """Mosaic GPU forward of `v41jax.ops.attention.packed_sparse_attention` (validated
+    arguments, a call `supports` takes).
 
     Args:
       q: [B, H, D] queries, any float dtype (cast to bf16).
@@ -651,17 +669,13 @@ def fp4_sparse_attention_mgpu(
     Returns:
       [B, H, D] bfloat16.
     """
-    if (kv_fmt, window_fmt) != ("nvfp4", "fp8"):
-        raise ValueError(
-            f"kv_fmt, window_fmt: the Mosaic GPU kernel decodes ('nvfp4', 'fp8'), "
-            f"got {(kv_fmt, window_fmt)!r}"
-        )
     batch, n_heads, dim = q.shape
-    if dim % 256 or dim > 512:
-        raise ValueError(f"q: expected D in (256, 512) for the Mosaic GPU kernel, got D = {dim}")
+    supported = supports(kv_fmt=kv_fmt, window_fmt=window_fmt, dim=dim)
+    if not supported:
+        raise supported.error()
     dequant_kind = "jnp" if interpret else config.dequant
     geometry = _Geometry(
-        dim, quant.packed_row_bytes("nvfp4", dim), quant.packed_row_bytes("fp8", dim)
+        dim, formats.packed_row_bytes("nvfp4", dim), formats.packed_row_bytes("fp8", dim)
     )
     scale = dim**-0.5 if scale is None else scale
     n_kv, n_window, n_topk = kv_packed.shape[1], window_packed.shape[1], indices.shape[1]

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from v41jax import diagnostics
-from v41jax.config import ModelConfig
-from v41jax.model import Model, indexer_kls
-from v41jax.pool import select_candidate_blocks
-from v41jax.scoring import topk_indices
+from v41jax.nn.config import ModelConfig
+from v41jax.nn.model import Model, indexer_kls
+from v41jax.ops.pool import select_candidate_blocks
+from v41jax.ops.scoring import topk_indices
+from v41jax.train import diagnostics
 
 BASELINES = ("random", "recent", "oracle")
 

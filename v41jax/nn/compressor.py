@@ -8,15 +8,16 @@ rotated at the group's first token (j·ratio) and then quantized, both done by t
 
 Entry j covers tokens [j·r, j·r + r − 1] and is visible to a query at position p iff
 j < (p + 1) // r. In decode, tokens fill a per-sequence buffer of r slots and the entry is pooled
-when its last token arrives; `pool_group` is shared by both paths so they agree bit for bit.
+when its last token arrives (`Compressor.decode`); `pool_group` is shared by both paths so they
+agree bit for bit.
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float, Int
 
-from v41jax.config import ModelConfig
+from v41jax.nn.config import ModelConfig
 
 
 def pool_group(
@@ -67,3 +68,32 @@ class Compressor(nnx.Module):
         kv, score = self.project(x[:, : n * self.ratio])
         group = lambda a: None if a is None else a.reshape(batch, n, self.ratio, -1)
         return self.finish(group(kv), group(score))
+
+    def decode(
+        self,
+        x: Float[Array, "batch dim"],
+        positions: Int[Array, " batch"],
+        kv_state: Float[Array, "batch ratio head_dim"] | None,
+        score_state: Float[Array, "batch ratio head_dim"] | None,
+    ) -> tuple[
+        Float[Array, "batch head_dim"],
+        Bool[Array, " batch"],
+        Float[Array, "batch ratio head_dim"] | None,
+        Float[Array, "batch ratio head_dim"] | None,
+    ]:
+        """One token per sequence at `positions`: buffers it in slot position % ratio and pools
+        the buffer.
+
+        Returns:
+          (the pooled pre-RoPE latent of each sequence's current group, whether that group is
+          complete with this token (only then is the latent an entry), the updated buffer).
+          For ratio 1 every token completes its entry and there is no buffer (None).
+        """
+        kv, score = self.project(x)
+        if self.ratio == 1:
+            return self.finish(kv[:, None], None), jnp.ones_like(positions, bool), None, None
+        rows, slot = jnp.arange(x.shape[0]), positions % self.ratio
+        kv_state = kv_state.at[rows, slot].set(kv)
+        score_state = score_state.at[rows, slot].set(score)
+        complete = (positions + 1) % self.ratio == 0
+        return self.finish(kv_state, score_state), complete, kv_state, score_state

@@ -1,0 +1,79 @@
+"""The one device timer of the project's benchmarks, and the two ceilings (DESIGN §6).
+
+`measure` times a function with CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, what jax's
+own Hopper kernels use): GPU time summed over every kernel a call launches, the small XLA ops
+around a Pallas kernel included, after a warm-up call, over `iterations` calls on each of several
+fresh data sets. Host timers around `block_until_ready` add tens of microseconds of dispatch and
+overstate small kernels 2–5× (DESIGN §6): never use them for kernels.
+
+`copy_ceiling` and `matmul_ceiling` are the two numbers every kernel figure is read against.
+GPU only: CUPTI is not available on the CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def measure(fn: Callable, datasets: Sequence[tuple], iterations: int = 10) -> tuple[dict, object]:
+    """Device time of `fn(*args)` for every `args` in `datasets`.
+
+    Args:
+      fn: the function (jitted here unless it already is).
+      datasets: argument tuples, each a fresh random data set.
+      iterations: timed calls per data set, after one warm-up call.
+
+    Returns:
+      (timing, the output of the last call). timing: 'median_ms', 'min_ms', 'max_ms' over all
+      calls, 'runs', 'times_ms' (every call), 'longest_kernel_ms' (median over calls of the
+      call's longest kernel), 'kernels' (name and ms of each kernel of the last call), and
+      'mosaic_kernel_ms' (median of the Mosaic GPU kernels' share) when the call launches any.
+    """
+    from jax.experimental.mosaic.gpu import profiler  # needs the CUDA build of jaxlib
+
+    fn = fn if hasattr(fn, "lower") else jax.jit(fn)
+    totals, longest, mosaic, split, out = [], [], [], [], None
+    for args in datasets:
+        out, per_call = profiler.measure(fn, iterations=iterations, aggregate=False)(*args)
+        if per_call is None:
+            raise RuntimeError("measure: the function launched no GPU kernel")
+        if iterations == 1:  # profiler.measure drops the per-call level for a single call
+            per_call = [per_call]
+        for kernels in per_call:
+            totals.append(sum(ms for _, ms in kernels))
+            longest.append(max(ms for _, ms in kernels))
+            mosaic.append(sum(ms for name, ms in kernels if "mosaic_gpu" in name))
+        split = per_call[-1]
+    timing = {
+        "median_ms": statistics.median(totals),
+        "min_ms": min(totals),
+        "max_ms": max(totals),
+        "runs": len(totals),
+        "times_ms": totals,
+        "longest_kernel_ms": statistics.median(longest),
+        "kernels": [{"name": name[:80], "ms": ms} for name, ms in split],
+    }
+    if any(mosaic):  # the Pallas kernel alone, without the small XLA ops around it
+        timing["mosaic_kernel_ms"] = statistics.median(mosaic)
+    return timing, out
+
+
+def copy_ceiling(n_bytes: int = 2**30, iterations: int = 10) -> dict:
+    """The copy ceiling: an elementwise pass over `n_bytes` of float32 (2·x), bytes read +
+    written over the time (DESIGN §6 measured 3.36 TB/s this way)."""
+    x = jax.random.normal(jax.random.key(0), (n_bytes // 4,), jnp.float32)
+    timing, _ = measure(lambda x: 2 * x, [(x,)], iterations)
+    return {"bytes": 2 * n_bytes, **timing, "GBps": 2 * n_bytes / timing["median_ms"] / 1e6}
+
+
+def matmul_ceiling(n: int = 8192, iterations: int = 10) -> dict:
+    """The bf16 matmul ceiling: an n³ product on random data (DESIGN §6: 811 TFLOP/s at 8192³)."""
+    ka, kb = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    timing, _ = measure(jnp.matmul, [(a, b)], iterations)
+    return {"n": n, **timing, "TFLOPs": 2 * n**3 / timing["median_ms"] / 1e9}

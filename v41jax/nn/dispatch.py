@@ -1,0 +1,145 @@
+"""Where the model meets the kernels: the ops a layer runs through `implementation=` (DESIGN §6).
+
+The switch itself ('xla' | 'pallas' | 'pallas_interpret') is defined once, in
+`pallas_kernels.dispatch`; each kernel op takes it and runs its `v41jax.ops` definition for 'xla'.
+This module passes the layer's config to those ops and asks the kernels' own `supports` whether
+they take a config (`check_kernel_config`): the model never copies a kernel's limits.
+
+Decode is the only mode with kernels (they take one query per sequence): prefill and training
+accept `PREFILL_IMPLEMENTATIONS` only.
+"""
+
+from __future__ import annotations
+
+from jaxtyping import Array, Bool, Float, Int, UInt8
+
+from pallas_kernels import dispatch
+from pallas_kernels import pooled_scoring as pooled_kernel
+from pallas_kernels import sparse_attention as attention_kernel
+from pallas_kernels.dispatch import IMPLEMENTATIONS, KERNEL_IMPLEMENTATIONS
+from v41jax.nn.config import ModelConfig, Role
+from v41jax.ops.scoring import TopK
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "KERNEL_IMPLEMENTATIONS",
+    "PREFILL_IMPLEMENTATIONS",
+    "attend_packed",
+    "check_implementation",
+    "check_kernel_config",
+    "pooled_topk",
+]
+
+PREFILL_IMPLEMENTATIONS = ("xla",)
+"""Values of `implementation=` accepted by prefill and training (the kernels serve decode)."""
+
+# The kernel arguments each config field becomes (for messages that name the field).
+_ATTENTION_FIELDS = {"kv_fmt": "kv_format", "window_fmt": "window_format", "dim": "head_dim"}
+_SCORING_FIELDS = {
+    "fmt": "index_format",
+    "dim": "index_head_dim",
+    "block_size": "candidate_block_size",
+    "n_heads": "index_n_heads",
+}
+
+
+def check_implementation(implementation: str, *, decode: bool = False) -> None:
+    """Raise ValueError unless `implementation` is accepted by decode (`decode=True`) or by
+    prefill and training (`decode=False`)."""
+    if decode:
+        dispatch.check_implementation(implementation, IMPLEMENTATIONS, where="decode")
+    else:
+        dispatch.check_implementation(
+            implementation,
+            PREFILL_IMPLEMENTATIONS,
+            where="prefill and training (the kernels serve decode only)",
+        )
+
+
+def check_kernel_config(config: ModelConfig, implementation: str) -> None:
+    """Raise ValueError, naming every offending config field with its expected and received
+    value, when `implementation` runs kernels on a config they cannot take.
+
+    Layers with compressed KV attend with `fp4_sparse_attention`; Reindex layers inside the pool
+    select with `pooled_scores`. Each kernel's `supports` decides; 'xla' takes any config.
+    """
+    if implementation not in KERNEL_IMPLEMENTATIONS:
+        return
+    c, limits = config, []
+    if any(plan.role is not Role.WINDOW for plan in c.layers):
+        support = attention_kernel.supports(
+            implementation, kv_fmt=c.kv_format, window_fmt=c.window_format, dim=c.head_dim
+        )
+        limits += [(_ATTENTION_FIELDS[limit.argument], limit) for limit in support.limits]
+    if any(plan.uses_candidates for plan in c.layers):
+        support = pooled_kernel.supports(
+            implementation,
+            fmt=c.index_format,
+            dim=c.index_head_dim,
+            block_size=c.candidate_block_size,
+            n_heads=c.index_n_heads,
+        )
+        limits += [(_SCORING_FIELDS[limit.argument], limit) for limit in support.limits]
+    if limits:
+        problems = [
+            f"config.{field}: expected {lim.expected}, got {lim.got!r}" for field, lim in limits
+        ]
+        raise ValueError(
+            f"implementation={implementation!r} runs the Pallas kernels, which need "
+            + "; ".join(problems)
+            + " (config.small_kernels() is a toy they take)"
+        )
+
+
+def attend_packed(
+    config: ModelConfig,
+    q: Float[Array, "b head dim"],
+    kv_packed: UInt8[Array, "b n_kv row"],
+    selected: Int[Array, "b k"],
+    window_packed: UInt8[Array, "b window wrow"],
+    window_valid: Bool[Array, "b window"],
+    sink: Float[Array, " head"],
+    implementation: str,
+) -> Float[Array, "b head dim"]:
+    """Core attention of B single queries over the packed caches (decode): the main-KV rows at
+    `selected` (−1 skips) and the window ring where `window_valid`.
+
+    'xla' is `ops.attention.packed_sparse_attention` (float32); the kernels' output is bf16 with
+    float32 accumulation, widened to float32 (~2e-3 relative error against 'xla').
+    """
+    return attention_kernel.fp4_sparse_attention(
+        q,
+        kv_packed,
+        selected,
+        window_packed,
+        window_valid,
+        sink,
+        kv_fmt=config.kv_format,
+        window_fmt=config.window_format,
+        implementation=implementation,
+    )
+
+
+def pooled_topk(
+    config: ModelConfig,
+    index_k_packed: UInt8[Array, "b s row"],
+    q: Float[Array, "b heads dim"],
+    weights: Float[Array, "b heads"],
+    block_ids: Int[Array, "b n_blocks"],
+    compress_lens: Int[Array, " b"],
+    implementation: str,
+) -> TopK:
+    """A Reindex layer's top-k inside the candidate pool at decode, reading only the pool's packed
+    index keys (`ops.pool.pooled_topk` for 'xla'); the selection rules of `ops.scoring.topk`
+    (ties to the lowest position, −inf picks dropped, positions ≥ compress_lens invisible)."""
+    return pooled_kernel.pooled_scores(
+        index_k_packed,
+        q,
+        weights,
+        block_ids,
+        compress_lens,
+        block_size=config.candidate_block_size,
+        fmt=config.index_format,
+        implementation=implementation,
+        topk=config.index_topk,
+    )

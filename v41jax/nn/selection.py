@@ -1,0 +1,136 @@
+"""What a layer attends to: the shared cross-layer state and the selection of index sources
+(DESIGN §3 steps 2–3, `v41_architecture.md` §3–§4).
+
+Cross-layer state — the latest compressed KV and index keys, the latest published top-k, the
+candidate pool — is an explicit pytree, `SharedState`, that each layer takes and returns; the
+official code keeps it in a global runtime object instead.
+
+- `select`: an index source (Full or Reindex layer) scores, the candidate source builds the pool,
+  and the layer publishes its top-k (inside the pool for a Reindex layer after the candidate
+  source). Reuse, Dense and window-only layers publish nothing new.
+- `attended_indices`: the compressed entries a layer attends to: the latest published top-k, or
+  every visible entry (dense attention, or after a dense KV source).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+from v41jax.nn import dispatch
+from v41jax.nn.config import LayerPlan, ModelConfig, Role
+from v41jax.nn.indexer import Indexer
+from v41jax.ops.invariants import check_selection
+from v41jax.ops.pool import CandidatePool, select_candidate_blocks
+from v41jax.ops.scoring import index_scores, topk_indices
+
+
+@struct.dataclass
+class SharedState:
+    """What layers publish to later layers, in layer order (one slot each, overwritten).
+
+    Attributes:
+      kv: [B, S, head_dim] float compressed main KV of the latest KV source (prefill), or None.
+      kv_packed: [B, S, row_bytes] uint8 packed main KV of the latest KV source (decode), or None.
+      index_k: [B, S, index_head_dim] float index keys of the latest Full layer, or None.
+      index_k_packed: [B, S, index_row_bytes] uint8 packed index keys of the latest Full layer
+        (decode), or None.
+      topk: [B, T, index_topk] int32 latest published selection (positions into the compressed
+        KV, ascending, −1 padded), or None.
+      pool: the candidate pool published by the candidate source (`CandidatePool` with mask
+        [B, T, S] and block_ids [B, T, topk_blocks]), or None.
+    """
+
+    kv: Float[Array, "b s d"] | None = None
+    kv_packed: Array | None = None
+    index_k: Float[Array, "b s di"] | None = None
+    index_k_packed: Array | None = None
+    topk: Int[Array, "b t k"] | None = None
+    pool: CandidatePool | None = None
+
+
+def select(
+    config: ModelConfig,
+    plan: LayerPlan,
+    indexer: Indexer | None,
+    qr: Float[Array, "b t q_lora"],
+    x: Float[Array, "b t dim"],
+    positions: Int[Array, "*t"],
+    compress_lens: Int[Array, "b t"],
+    shared: SharedState,
+    *,
+    debug: bool = False,
+    implementation: str = "xla",
+) -> tuple[SharedState, Float[Array, "b t s"] | None]:
+    """Scores, candidate pool and top-k of an index source; other roles return `shared` as is.
+
+    The indexer reads its inputs through `stop_gradient`: its only training signal is the KL
+    loss (`indexer.indexer_kl`), and that loss must not reach the rest of the model (DESIGN §7).
+
+    With a kernel implementation (decode only: one query per sequence, T = 1), a Reindex layer
+    inside the pool reads only the packed index keys of its pool's blocks
+    (`dispatch.pooled_topk`), which keeps `topk_indices`' rules (ties to the lowest position, −inf
+    picks dropped to −1, positions ≥ compress_lens invisible).
+
+    Returns:
+      (the state with this layer's top-k and pool published, the index scores [B, T, S]); the
+      scores are None for layers that do not score and for Reindex layers that score with the
+      pooled-scoring kernel.
+    """
+    if plan.role not in (Role.FULL, Role.REINDEX):
+        return shared, None
+    q, weights = indexer.queries(jax.lax.stop_gradient(qr), jax.lax.stop_gradient(x), positions)
+    pool = shared.pool
+    if plan.uses_candidates and implementation in dispatch.KERNEL_IMPLEMENTATIONS:
+        picks = dispatch.pooled_topk(
+            config,
+            shared.index_k_packed,
+            q[:, 0],
+            weights[:, 0],
+            pool.block_ids[:, 0],
+            compress_lens[:, 0],
+            implementation,
+        )
+        topk, scores = picks.indices[:, None], None
+    else:
+        scores = index_scores(q, weights, shared.index_k, compress_lens)
+        if plan.is_candidate_source:
+            pool = select_candidate_blocks(
+                scores,
+                compress_lens,
+                config.candidate_topk_blocks,
+                config.candidate_block_size,
+                reduce=config.block_score,
+            )
+        topk = topk_indices(scores, config.index_topk, pool.mask if plan.uses_candidates else None)
+    if debug:
+        check_selection(
+            plan.layer,
+            topk,
+            compress_lens,
+            pool,
+            block_size=config.candidate_block_size,
+            restricted=plan.uses_candidates,
+            publishes_pool=plan.is_candidate_source,
+        )
+    return shared.replace(topk=topk, pool=pool), scores
+
+
+def attended_indices(
+    plan: LayerPlan,
+    shared: SharedState,
+    compress_lens: Int[Array, "b t"],
+    n_entries: int,
+    *,
+    dense: bool = False,
+) -> Int[Array, "b t k"] | None:
+    """The compressed entries a layer attends to: the latest published top-k, or every visible
+    entry (after a dense KV source, or when `dense`), −1 padded; None for window-only layers."""
+    if plan.role is Role.WINDOW:
+        return None
+    if dense or plan.topk_source is None:
+        entries = jnp.arange(n_entries)
+        return jnp.where(entries < compress_lens[..., None], entries, -1)
+    return shared.topk

@@ -1,0 +1,369 @@
+"""The candidate pool: the blocks of compressed positions a Reindex layer may score, and the
+scoring of a pool's packed index keys.
+
+DESIGN §3 step 3, `v41_architecture.md` §4. The candidate source (the last Full layer) scores
+every visible position; `select_candidate_blocks` groups positions into blocks, scores each block
+with a reducer ('max' in V4.1, 'mean' as an ablation), always keeps the block holding the newest
+visible position, and keeps the best `topk_blocks` reachable blocks. Reindex layers then restrict
+their own top-k to the pool (`scoring.topk(..., mask=pool.mask)`); the candidate source's own
+top-k is not restricted.
+
+At decode a Reindex layer reads only the pool's packed index-key rows (DESIGN §6.1):
+`pooled_scores` is that op's definition (the pooled-scoring kernel is tested against it),
+`pooled_topk` its top-k, and `full_scan_topk` what the official reference does instead (score
+every position, mask outside the pool), which selects the same positions.
+
+A new block reducer is one function `(scores, valid) -> block_scores` and one line in
+`BLOCK_REDUCERS` (`ModelConfig.block_score` and the CLI read their choices from it); or pass the
+function itself as `reduce=`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import NamedTuple
+
+import chex
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, UInt8
+
+from v41jax.ops import formats
+from v41jax.ops.checks import (
+    as_lengths,
+    require_dtype,
+    require_min_ndim,
+    require_nonnegative_int,
+    require_positive_int,
+)
+from v41jax.ops.scoring import TopK, index_scores, indices_to_mask, topk, topk_indices
+
+BlockReducer = Callable[
+    [Float[Array, "*batch n_blocks block_size"], Bool[Array, "*batch n_blocks block_size"]],
+    Float[Array, "*batch n_blocks"],
+]
+"""Scores one block from its positions' scores and validity.
+
+`valid` is False at padding, at invisible positions and at positions scoring −inf; those carry −inf
+in `scores`. The reducer only needs to be right for blocks with at least one valid position: a
+block with none scores −inf whatever the reducer returns (`select_candidate_blocks` enforces it).
+"""
+
+
+def block_max(
+    scores: Float[Array, "*batch n_blocks block_size"],
+    valid: Bool[Array, "*batch n_blocks block_size"],
+) -> Float[Array, "*batch n_blocks"]:
+    """V4.1's block score: the maximum over the block's valid positions."""
+    return jnp.max(jnp.where(valid, scores, -jnp.inf), axis=-1)
+
+
+def block_mean(
+    scores: Float[Array, "*batch n_blocks block_size"],
+    valid: Bool[Array, "*batch n_blocks block_size"],
+) -> Float[Array, "*batch n_blocks"]:
+    """Ablation: the mean over the block's valid (finite-score) positions only.
+
+    Averaging over the valid entries, not the whole block, keeps a partly filled or partly
+    reachable block comparable with a full one.
+    """
+    count = jnp.sum(valid, axis=-1)
+    total = jnp.sum(jnp.where(valid, scores, 0.0), axis=-1)
+    return total / jnp.maximum(count, 1)
+
+
+BLOCK_REDUCERS: Mapping[str, BlockReducer] = MappingProxyType(
+    {"max": block_max, "mean": block_mean}
+)
+"""Block reducers by the name `ModelConfig.block_score` uses (the config and the CLI read their
+choices from here). Read-only: add entries here."""
+
+
+class CandidatePool(NamedTuple):
+    """A per-query candidate pool, in the two forms consumers use.
+
+    Attributes:
+      mask: [..., n_pos] bool, True at the visible positions (< compress_lens) of the kept blocks;
+        what the jnp reference of a Reindex layer applies.
+      block_ids: [..., topk_blocks] int32 ids of the kept blocks in ascending order, then −1;
+        what a pooled-scoring kernel reads.
+    """
+
+    mask: Bool[Array, "*batch n_pos"]
+    block_ids: Int[Array, "*batch topk_blocks"]
+
+
+def _resolve_reducer(reduce: str | BlockReducer) -> BlockReducer:
+    if isinstance(reduce, str):
+        if reduce not in BLOCK_REDUCERS:
+            raise ValueError(f"reduce: expected one of {sorted(BLOCK_REDUCERS)}, got {reduce!r}")
+        return BLOCK_REDUCERS[reduce]
+    if callable(reduce):
+        return reduce
+    raise ValueError(
+        f"reduce: expected a name in {sorted(BLOCK_REDUCERS)} or a BlockReducer, got {reduce!r}"
+    )
+
+
+def select_candidate_blocks(
+    scores: Float[Array, "*batch n_pos"],
+    compress_lens: Int[ArrayLike, "*batch"],
+    topk_blocks: int,
+    block_size: int,
+    reduce: str | BlockReducer = "max",
+) -> CandidatePool:
+    """The candidate pool of DESIGN §3 step 3 (`v41_architecture.md` §4).
+
+    1. Pad the positions with −inf to whole blocks of `block_size`.
+    2. Block score = `reduce` over the block's valid positions (visible and scoring > −inf);
+       a block without one scores −inf ("not reachable yet").
+    3. Pin the block holding position compress_lens − 1 with +inf: it is only partly filled and
+       could otherwise lose to an older full block. No pin when compress_lens = 0.
+    4. Keep the top `topk_blocks` blocks scoring > −inf (ties: lowest block id, as `scoring.topk`).
+    5. Expand to a mask of the kept blocks' visible positions.
+
+    Positions ≥ compress_lens are treated as −inf whatever their score, so the pool never depends
+    on scores a query cannot see. compress_lens = 0 gives an empty pool (mask all False, ids −1).
+
+    Args:
+      scores: [..., n_pos] float scores of the candidate source, −inf at invisible positions.
+      compress_lens: integer, broadcastable to [...] (scores.shape[:-1]): visible positions per
+        query row. Values are clipped to [0, n_pos].
+      topk_blocks: number of blocks to keep (positive int); the pool holds at most
+        topk_blocks·block_size positions.
+      block_size: positions per block (positive int; 8 in V4.1).
+      reduce: a name in `BLOCK_REDUCERS` ('max' | 'mean') or a `BlockReducer`.
+
+    Returns:
+      `CandidatePool(mask [..., n_pos] bool, block_ids [..., topk_blocks] int32)`.
+    """
+    scores = jnp.asarray(scores)
+    require_dtype("scores", scores, "floating")
+    require_min_ndim("scores", scores, 1, "[..., n_pos]")
+    topk_blocks = require_positive_int("topk_blocks", topk_blocks)
+    block_size = require_positive_int("block_size", block_size)
+    reducer = _resolve_reducer(reduce)
+    batch, n_pos = scores.shape[:-1], scores.shape[-1]
+    lens = jnp.clip(as_lengths("compress_lens", compress_lens, batch), 0, n_pos)
+
+    n_blocks = math.ceil(n_pos / block_size)
+    padded = jnp.pad(
+        scores.astype(jnp.float32),
+        [(0, 0)] * len(batch) + [(0, n_blocks * block_size - n_pos)],
+        constant_values=-jnp.inf,
+    )
+    # Padding sits at positions ≥ n_pos ≥ lens, so the visibility test excludes it too.
+    valid = (padded > -jnp.inf) & (jnp.arange(n_blocks * block_size) < lens[..., None])
+    padded = jnp.where(valid, padded, -jnp.inf)
+    blocks = padded.reshape(*batch, n_blocks, block_size)
+    valid = valid.reshape(*batch, n_blocks, block_size)
+    block_scores = jnp.where(jnp.any(valid, axis=-1), reducer(blocks, valid), -jnp.inf)
+    chex.assert_shape(block_scores, (*batch, n_blocks))
+
+    newest = (lens - 1) // block_size
+    pinned = (jnp.arange(n_blocks) == newest[..., None]) & (lens[..., None] > 0)
+    block_scores = jnp.where(pinned, jnp.inf, block_scores)
+
+    block_ids = topk_indices(block_scores, topk_blocks)
+    mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lens)
+    return CandidatePool(mask, block_ids)
+
+
+def pool_mask_from_block_ids(
+    block_ids: Int[Array, "*batch topk_blocks"],
+    n_pos: int,
+    block_size: int,
+    compress_lens: Int[ArrayLike, "*batch"],
+) -> Bool[Array, "*batch n_pos"]:
+    """Expand compact block ids (−1 padded) to the per-position pool mask.
+
+    Args:
+      block_ids: [..., topk_blocks] integer block ids; entries outside [0, ceil(n_pos/block_size))
+        (−1 padding in particular) are ignored, order and duplicates do not matter.
+      n_pos: number of positions of the mask (Python int ≥ 0).
+      block_size: positions per block (positive int).
+      compress_lens: integer, broadcastable to [...] (block_ids.shape[:-1]); positions at or
+        beyond it are False even inside a listed block.
+
+    Returns:
+      [..., n_pos] bool.
+    """
+    block_ids = jnp.asarray(block_ids)
+    require_dtype("block_ids", block_ids, "integer")
+    require_min_ndim("block_ids", block_ids, 1, "[..., topk_blocks]")
+    n_pos = require_nonnegative_int("n_pos", n_pos)
+    block_size = require_positive_int("block_size", block_size)
+    lens = as_lengths("compress_lens", compress_lens, block_ids.shape[:-1])
+
+    block_mask = indices_to_mask(block_ids, math.ceil(n_pos / block_size))
+    mask = jnp.repeat(block_mask, block_size, axis=-1)[..., :n_pos]
+    return mask & (jnp.arange(n_pos) < lens[..., None])
+
+
+# --- scoring inside the pool: a Reindex layer's decode step (DESIGN §6.1) ---
+
+
+def check_pooled_scores_args(
+    k_packed: Array,
+    q: Array,
+    weights: Array,
+    block_ids: Array,
+    lengths: Array,
+    block_size: int,
+    fmt: str,
+) -> None:
+    """The argument checks of `pooled_scores`, which every implementation of the op runs (the
+    kernels included): each names the bad argument, the expected and the received value."""
+    for name, x, ndim, layout in (
+        ("k_packed", k_packed, 3, "[B, S, row_bytes]"),
+        ("q", q, 3, "[B, H, D]"),
+        ("weights", weights, 2, "[B, H]"),
+        ("block_ids", block_ids, 2, "[B, NB]"),
+        ("lengths", lengths, 1, "[B]"),
+    ):
+        if x.ndim != ndim:
+            raise ValueError(f"{name}: expected shape {layout}, got {x.shape}")
+    batch, n_heads, dim = q.shape
+    if k_packed.dtype != jnp.uint8:
+        raise ValueError(f"k_packed: expected uint8 packed rows, got {k_packed.dtype}")
+    row_bytes = formats.packed_row_bytes(fmt, dim)
+    if k_packed.shape[0] != batch or k_packed.shape[2] != row_bytes:
+        raise ValueError(
+            f"k_packed: expected shape ({batch}, S, {row_bytes}) (q's batch and "
+            f"packed_row_bytes({fmt!r}, {dim})), got {k_packed.shape}"
+        )
+    if weights.shape != (batch, n_heads):
+        raise ValueError(f"weights: expected shape {(batch, n_heads)}, got {weights.shape}")
+    if block_ids.shape[0] != batch or not jnp.issubdtype(block_ids.dtype, jnp.integer):
+        raise ValueError(f"block_ids: expected integer [{batch}, NB], got {block_ids.dtype}")
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths: expected integer [{batch}], got {lengths.dtype}{lengths.shape}")
+    require_positive_int("block_size", block_size)
+
+
+def pool_positions(
+    block_ids: Int[Array, "batch n_blocks"], block_size: int
+) -> Int[Array, "batch n_pool"]:
+    """Position of every pool slot in block order: block_ids[b, i]·block_size + j; −1 where
+    the block id is −1 (or negative). Shape [B, NB·block_size], int32."""
+    block_ids = jnp.asarray(block_ids, jnp.int32)
+    pos = block_ids[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    pos = jnp.where(block_ids[..., None] >= 0, pos, -1)
+    return pos.reshape(block_ids.shape[0], -1)
+
+
+def pooled_scores(
+    k_packed: UInt8[Array, "batch seq row_bytes"],
+    q: Float[Array, "batch heads dim"],
+    weights: Float[Array, "batch heads"],
+    block_ids: Int[Array, "batch n_blocks"],
+    lengths: Int[Array, " batch"],
+    *,
+    block_size: int = 8,
+    fmt: str = "mxfp4",
+) -> Float[Array, "batch n_pool"]:
+    """Index scores of every slot of each query's candidate pool, in block order (DESIGN §6.1).
+
+    For query b and pool slot i·block_size + j (the i-th kept block, the j-th position in it) the
+    position is p = block_ids[b, i]·block_size + j and
+
+        score[b, i·block_size + j] = Σ_h w[b, h]·ReLU(q[b, h]·k[b, p])      (`index_scores`)
+
+    with k[b, p] the packed row `k_packed[b, p]` unpacked. Only the pool's rows are gathered and
+    unpacked: what a kernel reads. The scores stay in block order (the compact layout a kernel
+    writes); `pool_topk_from_scores` maps the best ones back to positions.
+
+    Args:
+      k_packed: [B, S, row_bytes] uint8 packed index keys of each sequence (`formats.pack`).
+      q: [B, H, D] indexer queries (already fake-quantized), any float dtype.
+      weights: [B, H] head weights (already scaled).
+      block_ids: [B, NB] int candidate blocks, −1 padded (`CandidatePool.block_ids`).
+      lengths: [B] int visible positions per query.
+      block_size: positions per block (8 in V4.1).
+      fmt: packed format of `k_packed` ('mxfp4' for the index keys).
+
+    Returns:
+      [B, NB·block_size] float32: slot i·block_size + j scores position block_ids[b, i]·
+      block_size + j; −inf for −1 blocks and positions ≥ lengths[b] or ≥ S.
+    """
+    k_packed, q, weights = jnp.asarray(k_packed), jnp.asarray(q), jnp.asarray(weights)
+    block_ids, lengths = jnp.asarray(block_ids), jnp.asarray(lengths)
+    check_pooled_scores_args(k_packed, q, weights, block_ids, lengths, block_size, fmt)
+    n_pos = k_packed.shape[1]
+    pos = pool_positions(block_ids, block_size)
+    valid = (pos >= 0) & (pos < lengths[:, None]) & (pos < n_pos)
+    rows = jnp.take_along_axis(k_packed, jnp.clip(pos, 0, n_pos - 1)[..., None], axis=1)
+    k = formats.unpack(rows, fmt, q.shape[-1])
+    scores = index_scores(q[:, None], weights[:, None], k, pos.shape[-1])[:, 0]
+    return jnp.where(valid, scores, -jnp.inf)
+
+
+def pool_topk_from_scores(
+    scores: Float[Array, "batch n_pool"],
+    block_ids: Int[Array, "batch n_blocks"],
+    k: int,
+    *,
+    block_size: int = 8,
+) -> TopK:
+    """The k best pool slots as positions, sorted ascending, −1 padded (`scoring.topk`'s rule).
+
+    Ties go to the lowest slot, which is the lowest position when `block_ids` is ascending (as
+    `CandidatePool` gives it). Returns `TopK(indices [B, k] int32 positions, scores [B, k])`.
+    """
+    picks = topk(scores, k)
+    pos = pool_positions(block_ids, block_size)
+    positions = jnp.take_along_axis(pos, jnp.maximum(picks.indices, 0), axis=-1)
+    positions = jnp.where(picks.indices >= 0, positions, -1)
+    # Unsorted block ids would leave the positions unsorted: sort them, dropped picks last.
+    big = jnp.iinfo(jnp.int32).max
+    keys, values = jnp.where(positions >= 0, positions, big), picks.scores
+    order = jnp.argsort(keys, axis=-1, stable=True)
+    keys = jnp.take_along_axis(keys, order, axis=-1)
+    values = jnp.take_along_axis(values, order, axis=-1)
+    return TopK(jnp.where(keys < big, keys, -1), values)
+
+
+def pooled_topk(
+    k_packed: UInt8[Array, "batch seq row_bytes"],
+    q: Float[Array, "batch heads dim"],
+    weights: Float[Array, "batch heads"],
+    block_ids: Int[Array, "batch n_blocks"],
+    lengths: Int[Array, " batch"],
+    k: int,
+    *,
+    block_size: int = 8,
+    fmt: str = "mxfp4",
+) -> TopK:
+    """Top-k positions of the pool: `pooled_scores`, then `pool_topk_from_scores`.
+
+    Returns `TopK(indices [B, k] int32 positions ascending then −1, scores [B, k] float32)`.
+    """
+    scores = pooled_scores(k_packed, q, weights, block_ids, lengths, block_size=block_size, fmt=fmt)
+    return pool_topk_from_scores(scores, block_ids, k, block_size=block_size)
+
+
+def full_scan_topk(
+    k_packed: UInt8[Array, "batch seq row_bytes"],
+    q: Float[Array, "batch heads dim"],
+    weights: Float[Array, "batch heads"],
+    block_ids: Int[Array, "batch n_blocks"],
+    lengths: Int[Array, " batch"],
+    k: int,
+    *,
+    block_size: int = 8,
+    fmt: str = "mxfp4",
+) -> TopK:
+    """What the official reference does instead of `pooled_topk`: unpack all S rows, score every
+    position, mask outside the pool, top-k over all S. Selects the same positions.
+
+    Returns `TopK(indices [B, k] int32 positions ascending then −1, scores [B, k] float32)`.
+    """
+    k_packed, q, weights = jnp.asarray(k_packed), jnp.asarray(q), jnp.asarray(weights)
+    block_ids, lengths = jnp.asarray(block_ids), jnp.asarray(lengths)
+    check_pooled_scores_args(k_packed, q, weights, block_ids, lengths, block_size, fmt)
+    n_pos = k_packed.shape[1]
+    keys = formats.unpack(k_packed, fmt, q.shape[-1])
+    scores = index_scores(q[:, None], weights[:, None], keys, lengths[:, None])[:, 0]
+    mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lengths)
+    return topk(scores, k, mask)

@@ -1,0 +1,54 @@
+"""The training layer: tasks, the trainer, evaluation and selection diagnostics (DESIGN §7).
+
+Imports the model layer (`v41jax.nn`) and the ops; the CLI, experiments and notebooks sit on top.
+
+| module        | what it holds                                                                  |
+|---------------|--------------------------------------------------------------------------------|
+| `tasks`       | synthetic retrieval tasks (MQAR, passkey), batches deterministic from a seed    |
+| `trainer`     | `TrainConfig` (`make_config`), the loss (task + indexer KL), `train_step`, the   |
+|               | loop (`train_steps`, with a hook) and a run that survives (`run`, `load`)       |
+| `evaluate`    | task accuracy and each Reindex layer's pool recall against baselines            |
+| `diagnostics` | the selection-quality metrics (pool recall, within-pool recall, mass covered)   |
+
+`from v41jax import train` gives the trainer's public names (`train.TrainConfig`, `train.run`).
+"""
+
+from v41jax.train.trainer import (
+    EVAL_SEED_OFFSET,
+    RunDirectoryError,
+    StepHook,
+    TrainConfig,
+    build,
+    dump_jsonl,
+    load,
+    loss_fn,
+    make_config,
+    make_optimizer,
+    metrics_to_json,
+    plot_run,
+    read_metrics,
+    run,
+    summarize,
+    train_step,
+    train_steps,
+)
+
+__all__ = [
+    "EVAL_SEED_OFFSET",
+    "RunDirectoryError",
+    "StepHook",
+    "TrainConfig",
+    "build",
+    "dump_jsonl",
+    "load",
+    "loss_fn",
+    "make_config",
+    "make_optimizer",
+    "metrics_to_json",
+    "plot_run",
+    "read_metrics",
+    "run",
+    "summarize",
+    "train_step",
+    "train_steps",
+]
