@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -189,17 +190,20 @@ def bucket_labels(edges: Sequence[int]) -> list[str]:
 
 
 def environment() -> dict:
-    """Where the numbers come from: jax version, device, git commit (with '-dirty')."""
-    try:
-        commit = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    """Where the numbers come from: jax version, device, git commit (with '-dirty'), or the
+    commit `V41JAX_COMMIT` names (a device copy's git metadata can lag the tree it runs)."""
+    commit = os.environ.get("V41JAX_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "describe", "--always", "--dirty"],
+                cwd=Path(__file__).resolve().parent,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     return {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "commit": commit}
 
 
