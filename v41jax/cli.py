@@ -65,19 +65,27 @@ def _train(args: argparse.Namespace) -> int:
         "index_format": args.index_format,
         "block_score": args.block_score,
     }
-    cfg = train.make_config(
-        preset=args.preset,
-        task=args.task,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        learning_rate=args.lr,
-        attention=args.attention,
-        seed=args.seed,
-        dense_warmup_steps=args.dense_warmup_steps,
-        model_changes=model,
-        task_changes=dict(args.task_set),
-    )
+    try:
+        cfg = train.make_config(
+            preset=args.preset,
+            task=args.task,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            learning_rate=args.lr,
+            attention=args.attention,
+            seed=args.seed,
+            dense_warmup_steps=args.dense_warmup_steps,
+            checkpoint_every=args.checkpoint_every,
+            model_changes=model,
+            task_changes=dict(args.task_set),
+        )
+    except ValueError as err:  # a bad value: a usage error, like argparse's own
+        print(f"v41jax train: error: {err}", file=sys.stderr)
+        return 2
     out = args.out or _default_run_dir(cfg)
+    if args.resume and not os.path.isfile(os.path.join(out, "config.json")):
+        print(f"v41jax train: error: --resume: no run in {out} to continue", file=sys.stderr)
+        return 2
     print(f"training {cfg.preset} on {cfg.task} for {cfg.steps} steps -> {out}")
     print(cfg.make_task().describe())
     try:
@@ -88,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
             max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
         )
     except train.RunDirectoryError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"v41jax train: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -106,6 +114,17 @@ def name_value(text: str) -> tuple[str, object]:
         return name, json.loads(value)
     except json.JSONDecodeError:
         return name, value
+
+
+def _minutes(text: str) -> float:
+    """`--max-minutes`: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of minutes >= 0, got {text!r}")
+    return value
 
 
 def _default_run_dir(cfg) -> str:
@@ -218,8 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train_parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     train_parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help=f"steps between checkpoints ({defaults.checkpoint_every}; and at the end)",
+    )
+    train_parser.add_argument(
         "--max-minutes",
-        type=float,
+        type=_minutes,
         default=3.5,
         help="stop training (with a checkpoint) after this long; --resume continues (default "
         "3.5, so the whole job, with compilation and the final evaluations, fits in 5 minutes; "

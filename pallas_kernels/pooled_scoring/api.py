@@ -50,7 +50,8 @@ class _Options:
 
 
 def _forward(k_packed, q, weights, block_ids, lengths, options: _Options):
-    if options.implementation == "xla":
+    # An empty batch or pool has nothing to launch a kernel for: the definition's empty result.
+    if options.implementation == "xla" or q.shape[0] == 0 or block_ids.shape[1] == 0:
         return pool.pooled_scores(
             k_packed,
             q,

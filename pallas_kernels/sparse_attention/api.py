@@ -80,7 +80,8 @@ class _Static:
 def _forward(static: _Static, q, kv_packed, indices, window_packed, window_valid, sink):
     args = (q, kv_packed, indices, window_packed, window_valid, sink)
     formats = dict(kv_fmt=static.kv_fmt, window_fmt=static.window_fmt, scale=static.scale)
-    if static.implementation == "xla":
+    # An empty batch has nothing to launch a kernel for: the definition's empty result.
+    if static.implementation == "xla" or q.shape[0] == 0:
         out = attention.packed_sparse_attention(*args, **formats)
     elif static.config.backend == "triton":
         out = kernel_triton.fp4_sparse_attention_triton(

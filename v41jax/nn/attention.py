@@ -93,9 +93,9 @@ class Attention(nnx.Module):
         """Inverse RoPE on the output's tail, then the grouped low-rank output projection."""
         c = self.config
         o = apply_rope(o, positions[..., None], c.rope_head_dim, self.theta, inverse=True)
-        o = o.reshape(*o.shape[:-2], c.o_groups, -1)
+        o = o.reshape(*o.shape[:-2], c.o_groups, c.n_heads // c.o_groups * c.head_dim)
         o = jnp.einsum("...gi,gio->...go", o, self.wo_a[...])
-        return self.wo_b(o.reshape(*o.shape[:-2], -1))
+        return self.wo_b(o.reshape(*o.shape[:-2], c.o_groups * c.o_lora_rank))
 
     # --- prefill ---
 

@@ -66,7 +66,7 @@ class Compressor(nnx.Module):
         batch, seq, _ = x.shape
         n = seq // self.ratio
         kv, score = self.project(x[:, : n * self.ratio])
-        group = lambda a: None if a is None else a.reshape(batch, n, self.ratio, -1)
+        group = lambda a: None if a is None else a.reshape(batch, n, self.ratio, a.shape[-1])
         return self.finish(group(kv), group(score))
 
     def decode(

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from v41jax.ops import formats
 from v41jax.ops.pool import BLOCK_REDUCERS
@@ -141,6 +144,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, Sequence) or isinstance(value, str):
                 raise ValueError(f"ModelConfig.{name}: expected a sequence of ints, got {value!r}")
+            if not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"ModelConfig.{name}: expected a sequence of ints, got {value!r}")
             object.__setattr__(self, name, tuple(int(v) for v in value))
         _validate(self)
 
@@ -184,6 +189,11 @@ def _validate(c: ModelConfig) -> None:
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             _fail(name, "a positive int", value)
+    for name in ("rope_theta", "compress_rope_theta", "norm_eps"):
+        value = getattr(c, name)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value <= 0:
+            _fail(name, "a finite number > 0", value)
     if c.rope_head_dim < 0 or c.rope_head_dim % 2:
         _fail("rope_head_dim", "a non-negative even int (RoPE rotates pairs)", c.rope_head_dim)
     if c.rope_head_dim > min(c.head_dim, c.index_head_dim):

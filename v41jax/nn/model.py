@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
@@ -56,6 +57,15 @@ def indexer_kls(trace: list[LayerTrace]) -> list[Float[Array, ""]]:
     ]
 
 
+def _check_token_ids(tokens: Int[Array, "*shape"], vocab_size: int) -> None:
+    """Stages a checkify check that every id is in [0, vocab_size) (debug mode, under jit)."""
+    checkify.check(
+        jnp.all((tokens >= 0) & (tokens < vocab_size)),
+        f"tokens: expected ids in [0, vocab_size={vocab_size}), got {{}} out of range",
+        jnp.sum((tokens < 0) | (tokens >= vocab_size)),
+    )
+
+
 class Model(nnx.Module):
     """Token embedding, `config.n_layers` blocks whose roles come from the config, head."""
 
@@ -67,10 +77,23 @@ class Model(nnx.Module):
         self.head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, rngs=rngs)
 
     def _check_tokens(self, tokens, ndim):
+        """Shape and dtype always; the ids themselves when they are concrete (an id outside the
+        vocabulary embeds as NaN, a negative one wraps around: both refused). Under `jit` the
+        ids cannot be read: `debug=True` checks them with checkify instead."""
         if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
             layout = "[batch, seq]" if ndim == 2 else "[batch]"
             raise ValueError(
                 f"tokens: expected integer array {layout}, got {tokens.dtype}{list(tokens.shape)}"
+            )
+        if isinstance(tokens, jax.core.Tracer) or not tokens.size:
+            return
+        values = np.asarray(tokens)
+        bad = (values < 0) | (values >= self.config.vocab_size)
+        if bad.any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"tokens: expected ids in [0, vocab_size={self.config.vocab_size}), got "
+                f"{int(values[first])} at index {first} ({int(bad.sum())} out of range)"
             )
 
     def run(
@@ -90,6 +113,8 @@ class Model(nnx.Module):
         """
         check_implementation(implementation)
         self._check_tokens(tokens, 2)
+        if debug:
+            _check_token_ids(tokens, self.config.vocab_size)
         h = self.embed(tokens)
         shared, trace = SharedState(), []
         for block in self.blocks:
@@ -166,14 +191,20 @@ def prefill(
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     model._check_tokens(tokens, 2)
     batch, seq = tokens.shape
+    if seq == 0:
+        raise ValueError(
+            f"tokens: expected at least one token per sequence, got shape {tokens.shape}"
+        )
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(
             f"lengths: expected int array [{batch}], got {lengths.dtype}{lengths.shape}"
         )
     if not isinstance(max_len, int) or max_len < seq:
         raise ValueError(f"max_len: expected an int >= tokens.shape[1] = {seq}, got {max_len!r}")
-    if not isinstance(lengths, jax.core.Tracer) and (
-        int(lengths.min()) < 1 or int(lengths.max()) > seq
+    if (
+        not isinstance(lengths, jax.core.Tracer)
+        and lengths.size
+        and (int(lengths.min()) < 1 or int(lengths.max()) > seq)
     ):
         raise ValueError(f"lengths: expected values in [1, {seq}], got {lengths.tolist()}")
     check_implementation(implementation)
@@ -185,6 +216,8 @@ def prefill(
 
 def _decode_step_impl(model: Model, tokens, cache: Cache, *, implementation: str, debug: bool):
     positions = cache.lengths
+    if debug:
+        _check_token_ids(tokens, model.config.vocab_size)
     h = model.embed(tokens)
     shared, layers, states = SharedState(), [], []
     for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
@@ -239,11 +272,16 @@ def decode_step(
         raise ValueError(
             f"tokens: expected shape [{cache.batch}] (the cache's batch), got {tokens.shape}"
         )
-    if not isinstance(cache.lengths, jax.core.Tracer) and int(cache.lengths.max()) >= cache.max_len:
-        raise ValueError(
-            f"cache: full; a sequence already holds {int(cache.lengths.max())} tokens and "
-            f"max_len is {cache.max_len}"
-        )
+    if not isinstance(cache.lengths, jax.core.Tracer) and cache.lengths.size:
+        if int(cache.lengths.max()) >= cache.max_len:
+            raise ValueError(
+                f"cache: full; a sequence already holds {int(cache.lengths.max())} tokens and "
+                f"max_len is {cache.max_len}"
+            )
+        if int(cache.lengths.min()) < 0:
+            raise ValueError(
+                f"cache.lengths: expected tokens held >= 0, got {int(cache.lengths.min())}"
+            )
     check_implementation(implementation, decode=True)
     check_kernel_config(model.config, implementation)
     interpreted = implementation == "pallas_interpret"

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 from v41jax.nn import dispatch
 from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.nn.indexer import Indexer
-from v41jax.ops.invariants import check_selection
+from v41jax.ops.invariants import check_scores, check_selection
 from v41jax.ops.pool import CandidatePool, select_candidate_blocks
 from v41jax.ops.scoring import index_scores, topk_indices
 
@@ -106,6 +106,8 @@ def select(
             )
         topk = topk_indices(scores, config.index_topk, pool.mask if plan.uses_candidates else None)
     if debug:
+        if scores is not None:
+            check_scores(plan.layer, scores)
         check_selection(
             plan.layer,
             topk,

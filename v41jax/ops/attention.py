@@ -105,13 +105,14 @@ def softmax_with_sink(
     sink = jnp.broadcast_to(sink.astype(jnp.float32), logits.shape[:-1])
     # The sink takes part in the running max, so an empty row has a finite max and exact zeros.
     # The max cancels out of the result: no gradient through it. A −inf max happens only with
-    # sink = −inf and an empty row; 0 then keeps exp() finite.
+    # sink = −inf and an empty row; 0 then keeps exp() finite. Only that case is replaced: a NaN
+    # logit or sink makes the max NaN, and the whole row NaN (never a finite, unnormalised row).
     row_max = jnp.maximum(jnp.max(logits, axis=-1, initial=-jnp.inf), sink)
-    row_max = lax.stop_gradient(jnp.where(row_max > -jnp.inf, row_max, 0.0))
+    row_max = lax.stop_gradient(jnp.where(jnp.isneginf(row_max), 0.0, row_max))
     weights = jnp.exp(logits - row_max[..., None])
     denom = jnp.sum(weights, axis=-1) + jnp.exp(sink - row_max)
     lse = row_max + jnp.log(denom)
-    probs = weights / jnp.where(denom > 0, denom, 1.0)[..., None]
+    probs = weights / jnp.where(denom == 0, 1.0, denom)[..., None]
     return probs, lse
 
 
@@ -144,15 +145,40 @@ def masked_attention(
     Returns:
       `SparseAttentionResult(out [B, T, H, D], probs [B, T, H, W + S] (window slots, then every
       position of `kv`, 0 where not selected), lse [B, T, H])`.
+
+    Non-finite values stay where `sparse_attention` puts them: a NaN or ±inf in a selected key
+    makes that query's output non-finite, one in a key the query does not select has no effect
+    on it (the [T, S] matmul would otherwise spread 0·NaN to every query of the sequence).
     """
-    dim = q.shape[-1]
-    chex.assert_rank((q, window_kv, window_valid, kv, key_mask), (4, 4, 3, 3, 3))
-    chex.assert_equal_shape_prefix((q, window_kv, window_valid, key_mask), 2)
-    chex.assert_equal(kv.shape[-2], key_mask.shape[-1])
+    q, window_kv, window_valid = jnp.asarray(q), jnp.asarray(window_kv), jnp.asarray(window_valid)
+    kv, key_mask, sink = jnp.asarray(kv), jnp.asarray(key_mask), jnp.asarray(sink)
+    for name, x, kind, layout in (
+        ("q", q, "floating", "[B, T, H, D]"),
+        ("window_kv", window_kv, "floating", "[B, T, W, D]"),
+        ("window_valid", window_valid, "bool", "[B, T, W]"),
+        ("kv", kv, "floating", "[B, S, D]"),
+        ("key_mask", key_mask, "bool", "[B, T, S]"),
+        ("sink", sink, "floating", "[H]"),
+    ):
+        require_dtype(name, x, kind)
+        if x.ndim != layout.count(",") + 1:
+            raise ValueError(f"{name}: expected shape {layout}, got {x.shape}")
+    (batch, seq, n_heads, dim), n_window = q.shape, window_kv.shape[2]
+    for name, x, want in (
+        ("window_kv", window_kv, (batch, seq, n_window, dim)),
+        ("window_valid", window_valid, (batch, seq, n_window)),
+        ("kv", kv, (batch, kv.shape[1], dim)),
+        ("key_mask", key_mask, (batch, seq, kv.shape[1])),
+        ("sink", sink, (n_heads,)),
+    ):
+        if x.shape != want:
+            raise ValueError(f"{name}: expected shape {want} (from q and kv), got {x.shape}")
     scale = _resolve_scale(scale, dim)
     q32 = q.astype(jnp.float32)
     window_kv = jnp.where(window_valid[..., None], window_kv.astype(jnp.float32), 0.0)
     kv = kv.astype(jnp.float32)
+    finite_row = jnp.all(jnp.isfinite(kv), axis=-1)  # [B, S]
+    poisoned = jnp.any(key_mask & ~finite_row[:, None, :], axis=-1)  # [B, T]
     hi = lax.Precision.HIGHEST
     logits = jnp.concatenate(
         [
@@ -165,7 +191,9 @@ def masked_attention(
     probs, lse = softmax_with_sink(logits * scale, valid, sink)
     n_window = window_kv.shape[-2]
     out = jnp.einsum("bthw,btwd->bthd", probs[..., :n_window], window_kv, precision=hi)
-    out = out + jnp.einsum("bths,bsd->bthd", probs[..., n_window:], kv, precision=hi)
+    clean = jnp.where(finite_row[..., None], kv, 0.0)
+    out = out + jnp.einsum("bths,bsd->bthd", probs[..., n_window:], clean, precision=hi)
+    out = jnp.where(poisoned[..., None, None], jnp.nan, out)
     return SparseAttentionResult(out, probs, lse)
 
 
@@ -177,7 +205,10 @@ def _resolve_scale(scale: float | Float[Array, ""] | None, dim: int) -> float | 
         if not np.isfinite(scale):
             raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
         return float(scale)
-    scale = jnp.asarray(scale)
+    try:
+        scale = jnp.asarray(scale)
+    except TypeError:
+        raise ValueError(f"scale: expected a float scalar or None, got {scale!r}") from None
     if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(
             f"scale: expected a float scalar or None, got shape {scale.shape} dtype {scale.dtype}"

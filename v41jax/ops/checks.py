@@ -9,6 +9,7 @@ under jit: `check_finite` stages a checkify check instead (reported under `check
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
@@ -54,10 +55,13 @@ def require_positive_int(name: str, value: object) -> int:
 
 
 def as_lengths(name: str, lengths: ArrayLike, target: tuple[int, ...]) -> Int[Array, "*rows"]:
-    """Integer per-row lengths broadcast to `target` (a Python int is one length for all rows)."""
+    """Integer per-row lengths broadcast to `target` (a Python int is one length for all rows);
+    concrete lengths must be >= 0 (traced ones cannot be read)."""
     lengths = jnp.asarray(lengths)
     require_dtype(name, lengths, "integer")
     require_broadcast(name, lengths.shape, target)
+    if not isinstance(lengths, jax.core.Tracer) and lengths.size and int(lengths.min()) < 0:
+        raise ValueError(f"{name}: expected lengths >= 0, got {int(lengths.min())}")
     return jnp.broadcast_to(lengths, target)
 
 

@@ -158,10 +158,12 @@ def packed_row_bytes(fmt: str, dim: int, *, rope_dim: int = 0) -> int:
     apart; the V4.1 formats quantize the rope dims with the rest.
     """
     f = _format(fmt, quantizable=False)
+    if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
+        raise ValueError(f"dim: expected a positive int, got {dim!r}")
     if not 0 <= rope_dim <= dim:
         raise ValueError(f"rope_dim: expected 0 <= rope_dim <= dim={dim}, got {rope_dim}")
     quantized = dim - rope_dim if f.rope_element else dim
-    if dim <= 0 or quantized % f.group_size:
+    if quantized % f.group_size:
         what = "dim - rope_dim" if f.rope_element else "dim"
         raise ValueError(
             f"dim: expected a positive {what} that is a multiple of the {fmt} group size "
@@ -327,7 +329,7 @@ def _encode_blocks(
 ) -> tuple[Int[Array, "*batch dim"], Int[Array, "*batch groups"]]:
     """Element codes and per-group scale codes of float32 `x` under the block format `f`."""
     element = _MINIFLOATS[f.element]
-    groups = x.reshape(*x.shape[:-1], -1, f.group_size)
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // f.group_size, f.group_size)
     finite = jnp.all(jnp.isfinite(groups), axis=-1, keepdims=True)
     # A non-finite group is marked by its NaN scale code; zeroing it keeps the arithmetic finite.
     groups = jnp.where(finite, groups, 0.0)
@@ -528,12 +530,12 @@ def pack(x: Float[ArrayLike, "*batch dim"], fmt: str) -> UInt8[Array, "*batch ro
     _refuse_nonfinite(x, fmt)
     x32 = x.astype(jnp.float32)
     if f.element == "f32":  # little-endian float32 bytes
-        return lax.bitcast_convert_type(x32, jnp.uint8).reshape(*x.shape[:-1], -1)
+        return lax.bitcast_convert_type(x32, jnp.uint8).reshape(*x.shape[:-1], 4 * x.shape[-1])
     if f.element == "bf16":
         half = _bf16_bits(x32) >> 16
         return (
             jnp.stack([half & 0xFF, half >> 8], axis=-1)
-            .reshape(*x.shape[:-1], -1)
+            .reshape(*x.shape[:-1], 2 * x.shape[-1])
             .astype(jnp.uint8)
         )
     codes, scale_codes = _encode_blocks(x32, f)

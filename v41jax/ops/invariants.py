@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax.experimental import checkify
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from v41jax.ops.pool import CandidatePool
 
@@ -63,3 +63,9 @@ def check_selection(
     if restricted:
         in_pool = jnp.take_along_axis(mask, jnp.maximum(topk, 0), axis=-1) | ~valid
         checkify.check(jnp.all(in_pool), f"layer {layer}: a Reindex pick lies outside the pool")
+
+
+def check_scores(layer: int, scores: Float[Array, "*rows n_pos"]) -> None:
+    """Stages a check that index scores hold no NaN (−inf marks invisible positions; a NaN
+    would be silently unpickable, `scoring.topk`)."""
+    checkify.check(~jnp.any(jnp.isnan(scores)), f"layer {layer}: the index scores hold NaN")

@@ -163,6 +163,9 @@ def select_candidate_blocks(
 
     newest = (lens - 1) // block_size
     pinned = (jnp.arange(n_blocks) == newest[..., None]) & (lens[..., None] > 0)
+    # The pin must win: other blocks are capped below +inf (a +inf score would tie with the pin,
+    # and ties go to lower ids, i.e. older blocks).
+    block_scores = jnp.minimum(block_scores, jnp.finfo(jnp.float32).max)
     block_scores = jnp.where(pinned, jnp.inf, block_scores)
 
     block_ids = topk_indices(block_scores, topk_blocks)
@@ -250,7 +253,7 @@ def pool_positions(
     block_ids = jnp.asarray(block_ids, jnp.int32)
     pos = block_ids[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
     pos = jnp.where(block_ids[..., None] >= 0, pos, -1)
-    return pos.reshape(block_ids.shape[0], -1)
+    return pos.reshape(block_ids.shape[0], block_ids.shape[1] * block_size)
 
 
 def pooled_scores(

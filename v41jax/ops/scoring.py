@@ -97,6 +97,9 @@ def index_scores(
 
 # --- top-k ---
 
+MAX_PADDED_K = 65_536
+"""The largest k `topk` pads beyond the positions it is given (V4.1's top-k is 512)."""
+
 
 class TopK(NamedTuple):
     """A top-k selection, sorted ascending by position, −1 padded at the end.
@@ -120,7 +123,9 @@ def topk(
     DESIGN §3 steps 2–3 (`v41_architecture.md` §3 steps 8–9). `mask` restricts the selection
     (Reindex: positions outside the candidate pool count as −inf). A pick whose score is −inf is
     dropped (project decision, DESIGN §3): that covers invisible positions, out-of-pool ones and
-    every pick beyond the number of reachable positions. NaN scores are unsupported.
+    every pick beyond the number of reachable positions. A NaN score is never picked either (it
+    counts as −inf; the finite picks of its row are kept): debug mode reports NaN index scores
+    (`v41jax.ops.invariants`), the selection itself holds positions only.
 
     Ties: `lax.top_k(is_stable=True)` returns equal scores in input order, so among tied scores the
     lowest positions win, deterministically (ReLU scores tie at 0 often). Other implementations
@@ -128,7 +133,9 @@ def topk(
 
     Args:
       scores: [..., n_pos] float scores, −inf at positions that cannot be picked.
-      k: number of picks (Python int ≥ 0); may exceed n_pos, the output is then −1 padded.
+      k: number of picks (Python int ≥ 0); may exceed n_pos, the output is then −1 padded, up
+        to `MAX_PADDED_K` picks (a larger k than both is refused as a likely mistake: the
+        output alone would take k·8 bytes per row).
       mask: optional bool, broadcastable to scores' shape; False positions cannot be picked.
 
     Returns:
@@ -139,7 +146,12 @@ def topk(
     require_dtype("scores", scores, "floating")
     require_min_ndim("scores", scores, 1, "[..., n_pos]")
     k = require_nonnegative_int("k", k)
+    if k > max(scores.shape[-1], MAX_PADDED_K):
+        raise ValueError(
+            f"k: expected at most max(n_pos={scores.shape[-1]}, {MAX_PADDED_K}) picks, got {k}"
+        )
     scores = scores.astype(jnp.float32)
+    scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
     if mask is not None:
         mask = jnp.asarray(mask)
         require_dtype("mask", mask, "bool")

@@ -7,26 +7,24 @@ Imports the model layer (`v41jax.nn`) and the ops; the CLI, experiments and note
 | `tasks`       | synthetic retrieval tasks (MQAR, passkey), batches deterministic from a seed    |
 | `trainer`     | `TrainConfig` (`make_config`), the loss (task + indexer KL), `train_step`, the   |
 |               | loop (`train_steps`, with a hook) and a run that survives (`run`, `load`)       |
+| `rundir`      | the run directory: never overwrites, checkpoints and resumes exactly            |
 | `evaluate`    | task accuracy and each Reindex layer's pool recall against baselines            |
 | `diagnostics` | the selection-quality metrics (pool recall, within-pool recall, mass covered)   |
 
 `from v41jax import train` gives the trainer's public names (`train.TrainConfig`, `train.run`).
 """
 
+from v41jax.train.rundir import RunDirectoryError, plot_run, read_metrics
 from v41jax.train.trainer import (
     EVAL_SEED_OFFSET,
-    RunDirectoryError,
     StepHook,
     TrainConfig,
     build,
-    dump_jsonl,
     load,
     loss_fn,
     make_config,
     make_optimizer,
     metrics_to_json,
-    plot_run,
-    read_metrics,
     run,
     summarize,
     train_step,
@@ -39,7 +37,6 @@ __all__ = [
     "StepHook",
     "TrainConfig",
     "build",
-    "dump_jsonl",
     "load",
     "loss_fn",
     "make_config",

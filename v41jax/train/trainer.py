@@ -36,6 +36,7 @@ from flax import nnx
 from v41jax.nn import config as config_lib
 from v41jax.nn.model import Model, indexer_kls
 from v41jax.train import evaluate as evaluate_lib
+from v41jax.train import rundir
 from v41jax.train import tasks as tasks_lib
 
 Overrides = tuple[tuple[str, Any], ...]
@@ -113,7 +114,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TrainConfig.{name}: expected a positive int, got {value!r}")
-        for name in ("lr_warmup_steps", "dense_warmup_steps", "keep_checkpoints"):
+        for name in ("lr_warmup_steps", "dense_warmup_steps", "keep_checkpoints", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainConfig.{name}: expected an int >= 0, got {value!r}")
@@ -125,8 +126,14 @@ class TrainConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"TrainConfig.{name}: expected a finite number >= 0, got {value}")
-        self.model_config()  # validates the preset and the overrides
-        self.make_task()
+        model = self.model_config()  # validates the preset and the overrides
+        task = self.make_task()
+        if task.vocab_size > model.vocab_size:
+            raise ValueError(
+                f"TrainConfig.task_overrides: the task's ids reach vocab_size={task.vocab_size}, "
+                f"expected at most the model's vocab_size={model.vocab_size} (an id outside the "
+                "vocabulary embeds as NaN)"
+            )
 
     def replace(self, **changes) -> TrainConfig:
         """A copy with training fields changed (validated again); see `with_model` and
@@ -342,87 +349,12 @@ def metrics_to_json(metrics: dict) -> dict:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
-def dump_jsonl(path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-# --- runs that survive: run directory, checkpoints, resume, Ctrl-C ---
-
 EVAL_SEED_OFFSET = 1_000_003  # evaluation batches come from a seed training never uses
 
 
-class RunDirectoryError(ValueError):
-    """The run directory cannot be used as asked (exists, mismatched config, bad checkpoint)."""
-
-
-def _checkpoint_manager(run_dir: Path, keep: int):
-    import orbax.checkpoint as ocp  # heavy import, only where checkpoints are used
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1), create=True)
-    return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options)
-
-
-def _save(manager, step: int, model: Model, optimizer: nnx.Optimizer) -> None:
-    import orbax.checkpoint as ocp
-
-    state = {
-        "model": nnx.to_pure_dict(nnx.state(model)),
-        "opt": nnx.to_pure_dict(nnx.state(optimizer)),
-    }
-    manager.save(step, args=ocp.args.StandardSave(state), force=True)
-    manager.wait_until_finished()
-
-
-def _restore(manager, step: int, model: Model, optimizer: nnx.Optimizer) -> None:
-    import orbax.checkpoint as ocp
-
-    model_state, opt_state = nnx.state(model), nnx.state(optimizer)
-    target = {"model": nnx.to_pure_dict(model_state), "opt": nnx.to_pure_dict(opt_state)}
-    try:
-        restored = manager.restore(step, args=ocp.args.StandardRestore(target))
-    except Exception as err:  # orbax raises many types for a damaged or foreign checkpoint
-        raise RunDirectoryError(
-            f"checkpoint {step} in {manager.directory} could not be restored "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-            "nothing in the run directory was changed. Remove that step's folder to fall back "
-            "to an older checkpoint, or start a new run in another directory."
-        ) from err
-    nnx.replace_by_pure_dict(model_state, restored["model"])
-    nnx.replace_by_pure_dict(opt_state, restored["opt"])
-    nnx.update(model, model_state)
-    nnx.update(optimizer, opt_state)
-
-
-def _prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool) -> None:
-    config_path = run_dir / "config.json"
-    if config_path.exists():
-        if not resume:
-            raise RunDirectoryError(
-                f"run directory {run_dir} already holds a run; pass resume=True (--resume) to "
-                "continue it, or choose another directory"
-            )
-        saved = json.loads(config_path.read_text())
-        current = json.loads(json.dumps(cfg.to_json()))
-        if saved != current:
-            diff = {
-                k: (saved.get(k), current.get(k)) for k in current if saved.get(k) != current[k]
-            }
-            raise RunDirectoryError(
-                f"run directory {run_dir} was trained with another config; differing fields "
-                f"(saved, requested): {diff}"
-            )
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(json.dumps(cfg.to_json(), indent=2))
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records after `step`: a resumed run rewrites them exactly."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
 def run(
@@ -437,19 +369,21 @@ def run(
 ) -> dict:
     """Trains `cfg` in `run_dir` (config.json, metrics.jsonl, checkpoints/, training.png).
 
-    Resuming continues from the latest checkpoint and reproduces the uninterrupted run's metrics
-    (batches depend only on (seed, step)). Ctrl-C saves a checkpoint before exiting. An existing
-    run directory is never overwritten: without `resume` it is an error, and a resume with
-    another config or from a damaged checkpoint raises `RunDirectoryError` before touching it.
+    The run directory keeps the guarantees of `v41jax.train.rundir`: it never overwrites a
+    user's files, Ctrl-C checkpoints the steps the model holds, and a resume continues from the
+    latest checkpoint so that metrics.jsonl ends byte-identical to an uninterrupted run's
+    (batches depend only on (seed, step)).
 
     Args:
       cfg: the run's configuration.
-      run_dir: its directory (created).
-      resume: continue the run in `run_dir`.
+      run_dir: its directory: new, empty, or (with `resume`) holding a run of `cfg`.
+      resume: continue the run in `run_dir` from its latest checkpoint. A run directory without
+        a checkpoint (or none at all) starts at step 0, and says so.
       progress: show a progress bar.
       stop_after: stop (with a checkpoint) after this many steps, as an interruption would.
-      max_seconds: stop (with a checkpoint) once training has taken this long; `resume`
-        continues from there.
+      max_seconds: a guard, not a budget: stop (with a checkpoint) once training has taken
+        this long; `resume` continues from there. The result then depends on the machine's
+        speed, which `stopped_early` reports.
       log_every: steps between training-metric records.
 
     Returns:
@@ -460,24 +394,35 @@ def run(
     """
     from tqdm.auto import tqdm
 
+    _check_int("log_every", log_every, 1)
+    if stop_after is not None:
+        _check_int("stop_after", stop_after, 0)
+    if max_seconds is not None and not (isinstance(max_seconds, int | float) and max_seconds > 0):
+        raise ValueError(f"max_seconds: expected a positive number or None, got {max_seconds!r}")
     run_dir = Path(run_dir)
-    _prepare_run_dir(run_dir, cfg, resume)
-    metrics_path = run_dir / "metrics.jsonl"
+    held = rundir.prepare(run_dir, cfg.to_json(), resume)
+    metrics_path = run_dir / rundir.METRICS
     model, optimizer = build(cfg)
     task = cfg.make_task()
-    manager = _checkpoint_manager(run_dir, cfg.keep_checkpoints)
-    start = 0
-    if resume and manager.latest_step() is not None:
-        start = manager.latest_step()
-        _restore(manager, start, model, optimizer)
-    _truncate_metrics(metrics_path, start)
+    manager = rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints)
+    start = manager.latest_step() or 0
+    try:
+        if start:
+            rundir.restore(manager, start, model, optimizer)
+    except BaseException:
+        manager.close()  # its threads would otherwise outlive the error
+        raise
+    if held and not start:
+        print(f"nothing to resume in {run_dir} (no checkpoint yet): training from step 0")
+    rundir.truncate_metrics(metrics_path, start)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     # A resumed run whose checkpoint step was already evaluated keeps that record.
-    done_evals = [r for r in read_metrics(metrics_path) if r["split"] == "eval"] if start else []
-    last_eval = next((r for r in reversed(done_evals) if r["step"] == start), None)
+    records = rundir.read_metrics(metrics_path) if start and metrics_path.exists() else []
+    last_eval = next((r for r in records if r["split"] == "eval" and r["step"] == start), None)
 
-    def evaluate(step: int, dense: bool | None = None) -> dict:
-        """Evaluates in the step's attention mode (recorded), or in the mode `dense` asks."""
+    def evaluate(step: int, dense: bool | None = None, record: bool = True) -> dict:
+        """Evaluates in the step's attention mode, or in the mode `dense` asks; records the
+        step's own evaluations in metrics.jsonl when `record`."""
         result = evaluate_lib.evaluate(
             model,
             task,
@@ -486,8 +431,8 @@ def run(
             batch_size=cfg.batch_size,
             dense=cfg.dense_at(step) if dense is None else dense,
         )
-        if dense is None:
-            dump_jsonl(metrics_path, {"step": step, "split": "eval", **result})
+        if dense is None and record:
+            rundir.append_metrics(metrics_path, {"step": step, "split": "eval", **result})
         return result
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=run_dir.name)
@@ -496,28 +441,42 @@ def run(
     if last_eval is not None:
         result = {k: v for k, v in last_eval.items() if k not in ("step", "split")}
         evaluated_at = start
-    trained = start  # updates the model holds: what a checkpoint must be saved as
+    # The records of step k are written before checkpoint k, in the order of an uninterrupted
+    # run (train, then eval): a checkpoint never lies behind its records. What Ctrl-C leaves
+    # unwritten is written before the checkpoint (the train record) or by the resume (the eval).
+    if start and last_eval is None and (start % cfg.eval_every == 0 or start == cfg.steps):
+        result, evaluated_at = evaluate(start), start
+    trained, unwritten = start, None  # the updates the model holds; its step's train metrics
+
+    def write_train_record(done: int, metrics: dict) -> None:
+        nonlocal unwritten
+        record = metrics_to_json(metrics)
+        rundir.append_metrics(metrics_path, {"step": done, "split": "train", **record})
+        bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
+        unwritten = None
 
     def after_step(done: int, metrics: dict) -> bool:
-        nonlocal trained, result, evaluated_at
+        nonlocal trained, result, evaluated_at, unwritten
         trained = done
-        if done % log_every == 0 or done == end:
-            record = metrics_to_json(metrics)
-            dump_jsonl(metrics_path, {"step": done, "split": "train", **record})
-            bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
+        if done % log_every == 0 or done == cfg.steps:
+            unwritten = metrics
+            write_train_record(done, metrics)
         if done % cfg.eval_every == 0 or done == cfg.steps:
             result, evaluated_at = evaluate(done), done
         out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
         if done % cfg.checkpoint_every == 0 or done == end or out_of_time:
-            _save(manager, done, model, optimizer)
+            rundir.save(manager, done, model, optimizer)
         bar.update(1)
         return out_of_time
 
     try:
         step = train_steps(model, optimizer, cfg, task, start, end, after_step)
     except KeyboardInterrupt:
+        if trained > start and manager.latest_step() != trained:
+            if unwritten is not None:
+                write_train_record(trained, unwritten)
+            rundir.save(manager, trained, model, optimizer)
         if trained > start:
-            _save(manager, trained, model, optimizer)
             print(f"\ninterrupted: saved step {trained} in {run_dir}; continue with resume")
         raise
     finally:
@@ -525,7 +484,9 @@ def run(
         manager.close()
     seconds = time.perf_counter() - clock
     if evaluated_at != step:
-        result = evaluate(step)
+        # A run stopped short of its schedule: this evaluation is the summary's, not a record
+        # (the uninterrupted run has none at this step, and a resume must write the same file).
+        result = evaluate(step, record=False)
     if cfg.attention == "sparse" and not cfg.dense_at(step):
         # The same parameters with every layer attending to all visible entries: what the pool
         # and the top-k cost this model.
@@ -535,7 +496,7 @@ def run(
             "dense_accuracy": dense["accuracy"],
             "dense_task_loss": dense["task_loss"],
         }
-    plot_run(metrics_path, run_dir / "training.png")
+    rundir.plot_run(metrics_path, run_dir / "training.png")
     summary = {
         "step": step,
         "train_seconds": seconds,
@@ -545,6 +506,9 @@ def run(
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+RunDirectoryError = rundir.RunDirectoryError
 
 
 def summarize(cfg: TrainConfig, run_dir: str | Path, result: dict) -> str:
@@ -597,14 +561,14 @@ def load(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, Mod
     Raises `RunDirectoryError` when the directory holds no run or the checkpoint is unreadable.
     """
     run_dir = Path(run_dir)
-    config_path = run_dir / "config.json"
+    config_path = run_dir / rundir.CONFIG
     if not config_path.exists():
         raise RunDirectoryError(
             f"run_dir: expected a run directory with config.json, got {run_dir}"
         )
     cfg = TrainConfig.from_json(json.loads(config_path.read_text()))
     model, optimizer = build(cfg)
-    manager = _checkpoint_manager(run_dir, cfg.keep_checkpoints)
+    manager = rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints)
     try:
         step = manager.latest_step() if step is None else step
         if step is None or step not in manager.all_steps():
@@ -612,49 +576,7 @@ def load(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, Mod
                 f"step: expected one of the checkpoints {sorted(manager.all_steps())} in "
                 f"{run_dir}, got {step}"
             )
-        _restore(manager, step, model, optimizer)
+        rundir.restore(manager, step, model, optimizer)
     finally:
         manager.close()
     return cfg, model
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
-
-
-def plot_run(metrics_path: Path, out: Path) -> None:
-    """Training curves: task loss and accuracy (train and eval), indexer KL, pool recall."""
-    # A bare Figure (no pyplot): saving it never changes the caller's matplotlib backend.
-    from matplotlib.figure import Figure
-
-    records = read_metrics(metrics_path)
-    train_rec = [r for r in records if r["split"] == "train"]
-    eval_rec = [r for r in records if r["split"] == "eval"]
-    fig = Figure(figsize=(14, 3.8))
-    axes = fig.subplots(1, 3)
-    steps = [r["step"] for r in train_rec]
-    axes[0].plot(steps, [r["task_loss"] for r in train_rec], label="train")
-    axes[0].plot(
-        [r["step"] for r in eval_rec], [r["task_loss"] for r in eval_rec], "o-", label="eval"
-    )
-    axes[0].set(title="task loss", xlabel="step", yscale="log")
-    axes[1].plot(steps, [r["accuracy"] for r in train_rec], label="train")
-    axes[1].plot(
-        [r["step"] for r in eval_rec], [r["accuracy"] for r in eval_rec], "o-", label="eval"
-    )
-    axes[1].set(title="accuracy on scored positions", xlabel="step", ylim=(0, 1.02))
-    axes[2].plot(steps, [r["indexer_kl"] for r in train_rec], label="indexer KL (train)")
-    recall_keys = sorted({k for r in eval_rec for k in r if k.endswith("/pool_recall")})
-    for k in recall_keys:
-        axes[2].plot(
-            [r["step"] for r in eval_rec if k in r],
-            [r[k] for r in eval_rec if k in r],
-            "o-",
-            label=k,
-        )
-    axes[2].set(title="indexer KL and pool recall", xlabel="step")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)

@@ -1,0 +1,18 @@
+"""Shared test settings: the hypothesis profiles of the property and fuzz tests.
+
+'ci' (the default) keeps every property test within CI's budget on two cores; 'long'
+(`HYPOTHESIS_PROFILE=long python -m pytest tests/test_fuzz.py`) runs many more examples, for a
+long run or the H200. Tests that set `max_examples` themselves keep their own.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "long", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
