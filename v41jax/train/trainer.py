@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
 from v41jax.nn import config as config_lib
 from v41jax.nn.model import Model, indexer_kls
@@ -357,6 +358,132 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
+class _Run:
+    """The state of one `run` call: the model, its checkpoints and its records.
+
+    The records of step k are written before checkpoint k, in the order of an uninterrupted run
+    (train, then eval), so a checkpoint never lies behind its records; what Ctrl-C leaves
+    unwritten is written before the checkpoint (the train record) or by the resume (the eval).
+    """
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, manager, *, progress: bool):
+        self.cfg, self.run_dir, self.manager = cfg, run_dir, manager
+        self.metrics_path = run_dir / rundir.METRICS
+        self.model, self.optimizer = build(cfg)
+        self.task = cfg.make_task()
+        self.start = self.trained = manager.latest_step() or 0  # updates the model holds
+        if self.start:
+            rundir.restore(manager, self.start, self.model, self.optimizer)
+        rundir.truncate_metrics(self.metrics_path, self.start)
+        self.unwritten = None  # the train metrics of the latest step, until recorded
+        self.result, self.evaluated_at = self._recorded_eval(self.start), self.start
+        if self.result is None:
+            self.evaluated_at = None
+            if self.start and self._scheduled("eval", self.start):
+                self.evaluate(self.start)
+        self.bar = tqdm(
+            total=cfg.steps, initial=self.start, disable=not progress, desc=run_dir.name
+        )
+
+    def _scheduled(self, what: str, done: int, log_every: int = 0) -> bool:
+        every = {"eval": self.cfg.eval_every, "train": log_every}[what]
+        return done % every == 0 or done == self.cfg.steps
+
+    def _recorded_eval(self, step: int) -> dict | None:
+        """The eval record of `step` a resumed run already holds, or None."""
+        if not step or not self.metrics_path.exists():
+            return None
+        for r in rundir.read_metrics(self.metrics_path):
+            if r["split"] == "eval" and r["step"] == step:
+                return {k: v for k, v in r.items() if k not in ("step", "split")}
+        return None
+
+    def evaluate(self, step: int, *, dense: bool | None = None, record: bool = True) -> dict:
+        """Evaluates in the step's attention mode (kept as the run's result, and recorded when
+        `record`), or in the mode `dense` asks (returned only)."""
+        result = evaluate_lib.evaluate(
+            self.model,
+            self.task,
+            seed=self.cfg.seed + EVAL_SEED_OFFSET,
+            batches=self.cfg.eval_batches,
+            batch_size=self.cfg.batch_size,
+            dense=self.cfg.dense_at(step) if dense is None else dense,
+        )
+        if dense is None:
+            self.result, self.evaluated_at = result, step
+            if record:
+                rundir.append_metrics(self.metrics_path, {"step": step, "split": "eval", **result})
+        return result
+
+    def _write_train_record(self, done: int) -> None:
+        record = metrics_to_json(self.unwritten)
+        rundir.append_metrics(self.metrics_path, {"step": done, "split": "train", **record})
+        self.bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
+        self.unwritten = None
+
+    def train(self, end: int, *, log_every: int, max_seconds: float | None) -> int:
+        """Steps start..end−1 with their records and checkpoints; returns the steps done."""
+        clock = time.perf_counter()
+
+        def after_step(done: int, metrics: dict) -> bool:
+            self.trained = done
+            if self._scheduled("train", done, log_every):
+                self.unwritten = metrics
+                self._write_train_record(done)
+            if self._scheduled("eval", done):
+                self.evaluate(done)
+            out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
+            if done % self.cfg.checkpoint_every == 0 or done == end or out_of_time:
+                rundir.save(self.manager, done, self.model, self.optimizer)
+            self.bar.update(1)
+            return out_of_time
+
+        try:
+            done = train_steps(
+                self.model, self.optimizer, self.cfg, self.task, self.start, end, after_step
+            )
+        except KeyboardInterrupt:
+            self._save_interrupted()
+            raise
+        finally:
+            self.bar.close()
+        self.seconds = time.perf_counter() - clock
+        return done
+
+    def _save_interrupted(self) -> None:
+        if self.trained == self.start:
+            return
+        if self.manager.latest_step() != self.trained:
+            if self.unwritten is not None:
+                self._write_train_record(self.trained)
+            rundir.save(self.manager, self.trained, self.model, self.optimizer)
+        print(f"\ninterrupted: saved step {self.trained} in {self.run_dir}; continue with resume")
+
+    def summary(self, step: int) -> dict:
+        """The run's final evaluation (the same weights with dense attention too, when sparse)."""
+        result = self.result
+        if self.evaluated_at != step:
+            # A run stopped short of its schedule: this evaluation is the summary's, not a
+            # record (the uninterrupted run has none here, and a resume must write the same file).
+            result = self.evaluate(step, record=False)
+        if self.cfg.attention == "sparse" and not self.cfg.dense_at(step):
+            # The same parameters with every layer attending to all visible entries: what the
+            # pool and the top-k cost this model.
+            dense = self.evaluate(step, dense=True)
+            result = {
+                **result,
+                "dense_accuracy": dense["accuracy"],
+                "dense_task_loss": dense["task_loss"],
+            }
+        return {
+            "step": step,
+            "train_seconds": self.seconds,
+            "resumed_from": self.start,
+            "stopped_early": step < self.cfg.steps,
+            **result,
+        }
+
+
 def run(
     cfg: TrainConfig,
     run_dir: str | Path,
@@ -392,8 +519,6 @@ def run(
       call continued from, 0 for a fresh run) and 'train_seconds' (the training time of this
       call alone: a resumed run counts only the steps it trained now).
     """
-    from tqdm.auto import tqdm
-
     _check_int("log_every", log_every, 1)
     if stop_after is not None:
         _check_int("stop_after", stop_after, 0)
@@ -401,109 +526,14 @@ def run(
         raise ValueError(f"max_seconds: expected a positive number or None, got {max_seconds!r}")
     run_dir = Path(run_dir)
     held = rundir.prepare(run_dir, cfg.to_json(), resume)
-    metrics_path = run_dir / rundir.METRICS
-    model, optimizer = build(cfg)
-    task = cfg.make_task()
-    manager = rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints)
-    start = manager.latest_step() or 0
-    try:
-        if start:
-            rundir.restore(manager, start, model, optimizer)
-    except BaseException:
-        manager.close()  # its threads would otherwise outlive the error
-        raise
-    if held and not start:
-        print(f"nothing to resume in {run_dir} (no checkpoint yet): training from step 0")
-    rundir.truncate_metrics(metrics_path, start)
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    # A resumed run whose checkpoint step was already evaluated keeps that record.
-    records = rundir.read_metrics(metrics_path) if start and metrics_path.exists() else []
-    last_eval = next((r for r in records if r["split"] == "eval" and r["step"] == start), None)
-
-    def evaluate(step: int, dense: bool | None = None, record: bool = True) -> dict:
-        """Evaluates in the step's attention mode, or in the mode `dense` asks; records the
-        step's own evaluations in metrics.jsonl when `record`."""
-        result = evaluate_lib.evaluate(
-            model,
-            task,
-            seed=cfg.seed + EVAL_SEED_OFFSET,
-            batches=cfg.eval_batches,
-            batch_size=cfg.batch_size,
-            dense=cfg.dense_at(step) if dense is None else dense,
-        )
-        if dense is None and record:
-            rundir.append_metrics(metrics_path, {"step": step, "split": "eval", **result})
-        return result
-
-    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=run_dir.name)
-    clock = time.perf_counter()
-    result, evaluated_at = None, None
-    if last_eval is not None:
-        result = {k: v for k, v in last_eval.items() if k not in ("step", "split")}
-        evaluated_at = start
-    # The records of step k are written before checkpoint k, in the order of an uninterrupted
-    # run (train, then eval): a checkpoint never lies behind its records. What Ctrl-C leaves
-    # unwritten is written before the checkpoint (the train record) or by the resume (the eval).
-    if start and last_eval is None and (start % cfg.eval_every == 0 or start == cfg.steps):
-        result, evaluated_at = evaluate(start), start
-    trained, unwritten = start, None  # the updates the model holds; its step's train metrics
-
-    def write_train_record(done: int, metrics: dict) -> None:
-        nonlocal unwritten
-        record = metrics_to_json(metrics)
-        rundir.append_metrics(metrics_path, {"step": done, "split": "train", **record})
-        bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
-        unwritten = None
-
-    def after_step(done: int, metrics: dict) -> bool:
-        nonlocal trained, result, evaluated_at, unwritten
-        trained = done
-        if done % log_every == 0 or done == cfg.steps:
-            unwritten = metrics
-            write_train_record(done, metrics)
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            result, evaluated_at = evaluate(done), done
-        out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
-        if done % cfg.checkpoint_every == 0 or done == end or out_of_time:
-            rundir.save(manager, done, model, optimizer)
-        bar.update(1)
-        return out_of_time
-
-    try:
-        step = train_steps(model, optimizer, cfg, task, start, end, after_step)
-    except KeyboardInterrupt:
-        if trained > start and manager.latest_step() != trained:
-            if unwritten is not None:
-                write_train_record(trained, unwritten)
-            rundir.save(manager, trained, model, optimizer)
-        if trained > start:
-            print(f"\ninterrupted: saved step {trained} in {run_dir}; continue with resume")
-        raise
-    finally:
-        bar.close()
-        manager.close()
-    seconds = time.perf_counter() - clock
-    if evaluated_at != step:
-        # A run stopped short of its schedule: this evaluation is the summary's, not a record
-        # (the uninterrupted run has none at this step, and a resume must write the same file).
-        result = evaluate(step, record=False)
-    if cfg.attention == "sparse" and not cfg.dense_at(step):
-        # The same parameters with every layer attending to all visible entries: what the pool
-        # and the top-k cost this model.
-        dense = evaluate(step, dense=True)
-        result = {
-            **result,
-            "dense_accuracy": dense["accuracy"],
-            "dense_task_loss": dense["task_loss"],
-        }
-    rundir.plot_run(metrics_path, run_dir / "training.png")
-    summary = {
-        "step": step,
-        "train_seconds": seconds,
-        "resumed_from": start,
-        "stopped_early": step < cfg.steps,
-        **result,
-    }
+    with rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints) as manager:
+        state = _Run(cfg, run_dir, manager, progress=progress)
+        if held and not state.start:
+            print(f"nothing to resume in {run_dir} (no checkpoint yet): training from step 0")
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        step = state.train(end, log_every=log_every, max_seconds=max_seconds)
+    summary = state.summary(step)
+    rundir.plot_run(state.metrics_path, run_dir / "training.png")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
