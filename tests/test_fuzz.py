@@ -306,9 +306,19 @@ def kill_env(tmp_path_factory):
 
 def _start(out: Path, env: dict) -> subprocess.Popen:
     resume = ["--resume"] if (out / "config.json").exists() else []
-    command = [sys.executable, "-m", "v41jax", "train", *KILL_RUN, "--out", str(out), *resume]
+    argv = ["train", *KILL_RUN, "--out", str(out), *resume]
+    # `v41jax train` with Python's Ctrl-C handler, as in a terminal, also where the test runner
+    # was started with SIGINT ignored (a background job passes that on to its children).
+    start = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"from v41jax.cli import main; sys.exit(main({argv!r}))"
+    )
     return subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT
+        [sys.executable, "-c", start],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
     )
 
 

@@ -243,12 +243,17 @@ def test_6_ctrl_c_during_a_save_waits_for_it(tmp_path, monkeypatch):
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(manager, "save", save_interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        rundir.save(manager, 4, m, optimizer)
+    # Python's own Ctrl-C handler, also where the test runner was started with SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rundir.save(manager, 4, m, optimizer)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert manager.all_steps() == [4]
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if "tmp" in p.name]
     manager.close()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # --- 7. --resume with nothing to resume says so; checkpoints as often as asked ---

@@ -133,9 +133,11 @@ def prepare(run_dir: Path, config: dict, resume: bool) -> bool:
 @contextlib.contextmanager
 def deferred_interrupts():
     """Ctrl-C (SIGINT) inside the block waits until the block is done, then raises
-    KeyboardInterrupt: a save is never cut in half. Only the main thread can hold signals;
-    elsewhere the block runs as is."""
-    if threading.current_thread() is not threading.main_thread():
+    KeyboardInterrupt: a save is never cut in half. Only the main thread can hold signals, and
+    only Python's own Ctrl-C handler is replaced (a process that ignores SIGINT, or handles it
+    itself, keeps its way); otherwise the block runs as is."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
     pending = []
