@@ -7,6 +7,7 @@ shapes and non-finite inputs are in tests/test_fuzz.py.
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -43,11 +44,17 @@ SMOKE = train.TrainConfig(
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> bytes:
-    """metrics.jsonl of SMOKE run start to end in one call."""
+def uninterrupted_dir(tmp_path_factory) -> Path:
+    """The run directory of SMOKE run start to end in one call (read it, never change it)."""
     run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
     train.run(SMOKE, run_dir, progress=False)
-    return (run_dir / "metrics.jsonl").read_bytes()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_dir) -> bytes:
+    """metrics.jsonl of SMOKE run start to end in one call."""
+    return (uninterrupted_dir / "metrics.jsonl").read_bytes()
 
 
 def files(run_dir: Path) -> dict[Path, bytes]:
@@ -103,11 +110,11 @@ def test_2_a_directory_of_other_files_is_refused_untouched(tmp_path, contents):
 
 def test_2_an_unreadable_metrics_file_is_refused_before_a_resume_writes(tmp_path):
     run_dir = tmp_path / "run"
-    train.run(SMOKE.replace(steps=3), run_dir, progress=False)
-    (run_dir / "metrics.jsonl").write_text("garbage\n")
+    rundir.prepare(run_dir, SMOKE.to_json(), resume=False)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "split": "train"}\ngarbage\n')
     before = files(run_dir)
-    with pytest.raises(train.RunDirectoryError, match="line 1 is not a metrics record"):
-        train.run(SMOKE.replace(steps=3), run_dir, progress=False, resume=True)
+    with pytest.raises(train.RunDirectoryError, match="line 2 is not a metrics record"):
+        train.run(SMOKE, run_dir, progress=False, resume=True)
     assert files(run_dir) == before
 
 
@@ -151,9 +158,14 @@ def test_3_a_nan_sink_parameter_gives_nan_logits_and_debug_reports_them():
     m = model.Model(cfg, rngs=nnx.Rngs(0))
     m.blocks[1].attn.sink[...] = jnp.full((cfg.n_heads,), jnp.nan)
     tokens = jnp.ones((1, 12), jnp.int32)
-    assert np.isnan(np.asarray(m(tokens))).all()
-    with pytest.raises(checkify.JaxRuntimeError, match=r"hold NaN|expected finite values"):
-        model.prefill(m, tokens, jnp.array([12]), max_len=16, debug=True)
+    graphdef, state = nnx.split(m)
+
+    def logits(state, tokens):
+        return nnx.merge(graphdef, state).run(tokens, debug=True)[0]
+
+    error, out = jax.jit(checkify.checkify(logits))(state, tokens)
+    assert np.isnan(np.asarray(out)).all()
+    assert "hold NaN" in error.get() or "expected finite values" in error.get()
 
 
 # --- 4. out-of-vocabulary ids: an error, and never NaN at earlier positions ---
@@ -392,14 +404,14 @@ def test_12_an_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "mine"
 
 
-def test_12_a_damaged_checkpoint_is_named_plainly(tmp_path):
+def test_12_a_damaged_checkpoint_is_named_plainly(tmp_path, uninterrupted_dir):
     run_dir = tmp_path / "run"
-    train.run(SMOKE.replace(steps=3), run_dir, progress=False)
+    shutil.copytree(uninterrupted_dir, run_dir)
     for f in (run_dir / "checkpoints").rglob("*"):
         if f.is_file() and f.stat().st_size > 0:
             f.write_bytes(b"\0garbage" * 4)
     with pytest.raises(train.RunDirectoryError) as err:
-        train.run(SMOKE.replace(steps=3), run_dir, progress=False, resume=True)
+        train.run(SMOKE, run_dir, progress=False, resume=True)
     assert "could not be restored" in str(err.value) and "<bound method" not in str(err.value)
 
 
