@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments import _common
+from pallas_kernels import timing
 from v41jax import train
 
 
@@ -87,8 +88,6 @@ def profile(cfg: train.TrainConfig, dense: bool, steps: int) -> dict:
 
     jax.block_until_ready(pure_step(state, *batches[0]))
     if jax.default_backend() == "gpu":
-        from pallas_kernels import timing
-
         args = [(state, *b) for b in batches[1:4]]
         timed, _ = timing.measure(pure_step, args, iterations=5)
         names = collections.Counter()
