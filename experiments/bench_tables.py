@@ -60,23 +60,40 @@ def kernels(report: dict) -> str:
     return "\n".join(lines)
 
 
-def throughput(reports: list[dict]) -> str:
-    lines = [
-        "| device | preset | attention | batch × seq | median step | tokens/s | first step |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def _where(report: dict) -> str:
+    return report["device"] if report["platform"] == "gpu" else f"CPU ({report['cpu_count']} cores)"
+
+
+def _shape(report: dict, r: dict) -> tuple:
+    return (_where(report), r["preset"], r["attention"], r["batch_size"], r["seq_len"])
+
+
+def throughput(reports: list[dict], before: list[dict] = ()) -> str:
+    """The training-throughput table; with `before` (earlier runs), a column with the speed-up
+    of each row over the earlier run of the same device, preset, stage and shape."""
+    earlier = {_shape(rep, r): r for rep in before for r in rep["results"]}
+    head = "| device | preset | attention | batch × seq | median step | tokens/s | first step |"
+    rule = "|---|---|---|---|---|---|---|"
+    if before:
+        head += " before | speed-up |"
+        rule += "---|---|"
+    lines = [head, rule]
     for report in reports:
-        where = (
-            report["device"]
-            if report["platform"] == "gpu"
-            else (f"CPU ({report['cpu_count']} cores)")
-        )
         for r in report["results"]:
-            lines.append(
-                f"| {where} | {r['preset']} | {r['attention']} | {r['batch_size']} × "
+            line = (
+                f"| {_where(report)} | {r['preset']} | {r['attention']} | {r['batch_size']} × "
                 f"{r['seq_len']} | {r['median_step_s'] * 1e3:,.1f} ms | {r['tokens_per_s']:,.0f} "
                 f"| {r['first_step_s']:.1f} s |"
             )
+            if before:
+                old = earlier.get(_shape(report, r))
+                line += (
+                    " n/a | n/a |"
+                    if old is None
+                    else f" {old['median_step_s'] * 1e3:,.1f} ms | "
+                    f"{old['median_step_s'] / r['median_step_s']:.2f}× |"
+                )
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -84,10 +101,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--throughput", action="store_true", help="the paths are throughput runs")
+    parser.add_argument(
+        "--before", nargs="+", type=Path, default=[], help="earlier throughput runs to compare"
+    )
     args = parser.parse_args()
     reports = [json.loads(p.read_text()) for p in args.paths]
     if args.throughput:
-        print(throughput(reports))
+        before = [json.loads(p.read_text()) for p in args.before]
+        print(throughput(reports, before))
     else:
         for report in reports:
             print(kernels(report))

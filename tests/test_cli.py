@@ -59,7 +59,7 @@ def test_bare_command_runs_train_with_its_defaults(monkeypatch):
     monkeypatch.setattr(cli, "_train", lambda args: seen.append(args) or 0)
     assert cli.main([]) == 0
     (args,) = seen
-    assert args.command == "train" and args.max_minutes == 3.5 and args.task is None
+    assert args.command == "train" and args.max_minutes is None and args.task is None
 
 
 def test_help_says_train_is_the_default(capsys):

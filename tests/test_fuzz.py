@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from v41jax import cli
 from v41jax.nn import config, model
 from v41jax.ops import formats
-from v41jax.ops.attention import masked_attention, sparse_attention
+from v41jax.ops.attention import masked_attention, sliding_window_rows, sparse_attention
 from v41jax.ops.pool import select_candidate_blocks
 from v41jax.ops.scoring import index_scores, topk
 
@@ -171,7 +171,7 @@ def test_pool_invariants_hold_under_nonfinite_scores(
 # --- attention ---
 
 
-_masked_attention = jax.jit(masked_attention)
+_masked_attention = jax.jit(masked_attention, static_argnames="window_size")
 _sparse_attention = jax.jit(sparse_attention)
 
 
@@ -179,26 +179,31 @@ _sparse_attention = jax.jit(sparse_attention)
     seq=st.sampled_from([1, 5]),  # a few shapes: each new one compiles
     n_kv=st.sampled_from([1, 7]),
     window=st.sampled_from([0, 3]),
+    in_window=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_a_nonfinite_key_reaches_only_the_queries_that_select_it(seq, n_kv, window, seed):
+def test_a_nonfinite_key_reaches_only_the_queries_that_attend_to_it(
+    seq, n_kv, window, in_window, seed
+):
     rng = np.random.default_rng(seed)
     heads, dim = 2, 8
     q = rng.normal(size=(1, seq, heads, dim)).astype(np.float32)
-    win = rng.normal(size=(1, seq, window, dim)).astype(np.float32)
-    win_valid = rng.random((1, seq, window)) < 0.8
+    win = rng.normal(size=(1, seq, dim)).astype(np.float32)
     kv = rng.normal(size=(1, n_kv, dim)).astype(np.float32)
     key_mask = rng.random((1, seq, n_kv)) < 0.5
-    bad = rng.integers(0, n_kv)
-    kv[0, bad, rng.integers(0, dim)] = rng.choice(NONFINITE)
+    in_window = in_window and window > 0
+    bad = rng.integers(0, seq if in_window else n_kv)
+    (win if in_window else kv)[0, bad, rng.integers(0, dim)] = rng.choice(NONFINITE)
     sink = rng.normal(size=heads).astype(np.float32)
-    out = np.asarray(_masked_attention(q, win, win_valid, kv, key_mask, sink).out)[0]
+    out = np.asarray(_masked_attention(q, win, kv, key_mask, sink, window_size=window).out)[0]
+    rows, valid = sliding_window_rows(win, window)
     for t in range(seq):
         selected = np.where(key_mask[0, t], np.arange(n_kv), -1).astype(np.int32)
         want = np.asarray(
-            _sparse_attention(q[0, t], win[0, t], win_valid[0, t], kv[0], selected, sink)
+            _sparse_attention(q[0, t], rows[0, t], valid[0, t], kv[0], selected, sink)
         )
-        if key_mask[0, t, bad]:
+        attends = bad <= t < bad + window if in_window else key_mask[0, t, bad]
+        if attends:
             assert not np.isfinite(out[t]).all() and not np.isfinite(want).all()
         else:
             assert np.isfinite(out[t]).all()

@@ -24,7 +24,7 @@ from v41jax import cli, train
 from v41jax.nn import cache as cache_lib
 from v41jax.nn import config, model
 from v41jax.ops import formats
-from v41jax.ops.attention import masked_attention, sparse_attention
+from v41jax.ops.attention import masked_attention, sliding_window_rows, sparse_attention
 from v41jax.ops.pool import select_candidate_blocks
 from v41jax.ops.scoring import index_scores, topk
 from v41jax.train import rundir, trainer
@@ -140,7 +140,7 @@ def test_3_a_nan_sink_gives_nan_in_every_form_of_attention():
 
     key_mask = np.zeros((2, 1, 9), bool)
     key_mask[:, 0, :5] = True
-    masked = masked_attention(q[:, None], win[:, None], valid[:, None], kv, key_mask, sink)
+    masked = masked_attention(q[:, None], win[:, :1], kv, key_mask, sink, window_size=4)
     assert np.isnan(np.asarray(masked.out)[:, 0, 1]).all()
 
     kv_packed = formats.pack(kv, "nvfp4")
@@ -206,27 +206,40 @@ def test_5_masked_attention_keeps_nan_where_sparse_attention_does():
     rng = np.random.default_rng(5)
     b, t, h, d, w, s = 1, 4, 2, 8, 3, 6
     q = rng.normal(size=(b, t, h, d)).astype(np.float32)
-    win = rng.normal(size=(b, t, w, d)).astype(np.float32)
-    valid = np.ones((b, t, w), bool)
+    win = rng.normal(size=(b, t, d)).astype(np.float32)
     kv = rng.normal(size=(b, s, d)).astype(np.float32)
     kv[0, 4] = np.nan  # only query 3 selects position 4
     key_mask = np.zeros((b, t, s), bool)
     key_mask[0, 1, :2] = key_mask[0, 3, [0, 4]] = True
     sink = np.zeros(h, np.float32)
-    out = np.asarray(masked_attention(q, win, valid, kv, key_mask, sink).out)
+    out = np.asarray(masked_attention(q, win, kv, key_mask, sink, window_size=w).out)
     assert np.isfinite(out[0, :3]).all() and np.isnan(out[0, 3]).all()
+    rows, valid = sliding_window_rows(win, w)
     for row in range(3):
         idx = np.flatnonzero(key_mask[0, row]).astype(np.int32)
-        want = sparse_attention(q[0, row], win[0, row], valid[0, row], kv[0], idx, sink)
+        want = sparse_attention(q[0, row], rows[0, row], valid[0, row], kv[0], idx, sink)
         np.testing.assert_allclose(out[0, row], want, rtol=1e-5, atol=1e-6)
+
+
+def test_5_a_nan_window_row_reaches_only_the_queries_whose_window_holds_it():
+    rng = np.random.default_rng(6)
+    b, t, h, d, w, s = 1, 9, 2, 8, 3, 4
+    q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+    win = rng.normal(size=(b, t, d)).astype(np.float32)
+    win[0, 4, 1] = np.inf  # in the windows of queries 4, 5 and 6 only
+    kv = rng.normal(size=(b, s, d)).astype(np.float32)
+    key_mask = rng.random((b, t, s)) < 0.5
+    sink = np.zeros(h, np.float32)
+    out = np.asarray(masked_attention(q, win, kv, key_mask, sink, window_size=w).out)
+    finite = np.isfinite(out[0]).all(axis=(-2, -1))
+    assert finite.tolist() == [True] * 4 + [False] * 3 + [True] * 2
 
 
 def test_5_masked_attention_checks_its_arguments():
     f32 = np.zeros((1, 2, 2, 8), np.float32)
     args = dict(
         q=f32,
-        window_kv=np.zeros((1, 2, 3, 8), np.float32),
-        window_valid=np.ones((1, 2, 3), bool),
+        window_kv=np.zeros((1, 2, 8), np.float32),
         kv=np.zeros((1, 5, 8), np.float32),
         key_mask=np.ones((1, 2, 5), bool),
         sink=np.zeros(2, np.float32),
@@ -236,9 +249,13 @@ def test_5_masked_attention_checks_its_arguments():
         ("kv", np.zeros((1, 5, 4), np.float32)),
         ("key_mask", np.ones((1, 2, 4), bool)),
         ("sink", np.zeros(3, np.float32)),
+        ("window_kv", np.zeros((1, 2, 3, 8), np.float32)),
+        ("window_size", -1),
     ):
         with pytest.raises(ValueError, match=f"^{name}: expected"):
-            masked_attention(**(args | {name: bad}))
+            masked_attention(
+                **(args | {name: bad}), **({} if name == "window_size" else dict(window_size=3))
+            )
 
 
 # --- 6. a second Ctrl-C waits for the save instead of aborting it ---

@@ -9,7 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from v41jax.ops.attention import SparseAttentionResult, masked_attention, sparse_attention
+from v41jax.ops.attention import (
+    SparseAttentionResult,
+    masked_attention,
+    sliding_window_rows,
+    sparse_attention,
+)
 
 SETTINGS = settings(deadline=None, max_examples=20)
 attend = jax.jit(functools.partial(sparse_attention, return_probs=True))
@@ -201,14 +206,16 @@ def test_sparse_attention_rejects_bad_input(kwargs, name):
         sparse_attention(**(args | kwargs))
 
 
-def test_masked_attention_equals_sparse_attention_on_the_selected_positions():
-    """The prefill/training layout (a mask over the sequence's KV) is the same function as the
-    gather layout with the mask's positions as indices."""
+@pytest.mark.parametrize("t,w", [(5, 4), (3, 8), (8, 4), (7, 1)])
+def test_masked_attention_equals_sparse_attention_on_the_selected_positions(t, w):
+    """The prefill/training layout (the window as a band over the sequence, a mask over the
+    sequence's KV) is the same function as the gather layout with the window's rows and the
+    mask's positions as indices: T below, at and beyond a multiple of the window."""
     rng = np.random.default_rng(5)
-    b, t, h, d, w, s, k = 2, 5, 3, 16, 4, 11, 6
+    b, h, d, s, k = 2, 3, 16, 11, 6
     q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
-    window = jnp.asarray(rng.standard_normal((b, t, w, d)), jnp.float32)
-    window_valid = jnp.asarray(rng.random((b, t, w)) < 0.7)
+    window_seq = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+    window, window_valid = sliding_window_rows(window_seq, w)
     kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
     # Distinct picks with −1 anywhere (any order is valid input), one row empty.
@@ -223,7 +230,7 @@ def test_masked_attention_equals_sparse_attention_on_the_selected_positions():
         .max(picks >= 0)
     )
 
-    masked = masked_attention(q, window, window_valid, kv, mask, sink)
+    masked = masked_attention(q, window_seq, kv, mask, sink, window_size=w)
     gathered = jax.vmap(
         lambda q_t, w_t, v_t, i_t: sparse_attention(
             q_t, w_t, v_t, kv, i_t, sink, return_probs=True
@@ -234,7 +241,7 @@ def test_masked_attention_equals_sparse_attention_on_the_selected_positions():
     np.testing.assert_allclose(masked.out, gathered.out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(masked.lse, gathered.lse, rtol=1e-5, atol=1e-6)
     # The probability of each picked key sits at its position in the masked layout.
-    per_position = np.asarray(masked.probs)[..., w:]
+    per_position = np.asarray(masked.probs)
     picked = np.take_along_axis(per_position, np.maximum(picks, 0)[:, :, None, :], -1)
     expected = np.where(picks[:, :, None, :] >= 0, np.asarray(gathered.probs)[..., w:], 0)
     np.testing.assert_allclose(np.where(picks[:, :, None, :] >= 0, picked, 0), expected, atol=1e-6)

@@ -189,6 +189,24 @@ def test_passkey_pattern_filler_repeats():
     np.testing.assert_array_equal(tokens[0, 1:100], tokens[1, 1:100])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_multi_passkey_every_marker_recalls_its_own_digit(seed):
+    task = make_task("multi_passkey")
+    batch = task.batch_at(seed, 0, 16)
+    check_batch(task, batch, 16)
+    m, n = task.n_needles, task.digits_per_needle
+    for tokens, targets, mask, evidence in zip(*batch[:4], strict=True):
+        (scored,) = np.nonzero(mask)
+        asked = tokens[scored] - task.marker_ids[0]
+        assert sorted(asked.tolist()) == list(range(m)), "every marker asked once"
+        digit_offset = targets[scored] - task.digit_ids[0]
+        np.testing.assert_array_equal(digit_offset // n, asked)  # the marker's own range
+        np.testing.assert_array_equal(tokens[evidence[scored] - 1], tokens[scored])
+        context = tokens[1 : task.context_len + 1]
+        assert in_range(context, task.marker_ids).sum() == m  # one needle per marker
+        assert (evidence[scored] < task.context_len + 1).all()
+
+
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_long_batches_are_vectorized(name):
     # Functional only (no wall-clock assert): 64 x 1024 is what a training step consumes.
@@ -217,6 +235,10 @@ BAD_ARGS = [
     ("passkey", {"depth": "deep"}, "depth"),
     ("passkey", {"filler": "zeros"}, "filler"),
     ("passkey", {"digit_ids": (130, 140)}, "filler_ids"),
+    ("multi_passkey", {"n_needles": 0}, "n_needles"),
+    ("multi_passkey", {"digits_per_needle": 9}, "digit_ids"),  # 8 needles x 9 ids != 64 ids
+    ("multi_passkey", {"n_needles": 4}, "marker_ids"),  # 8 marker ids for 4 needles
+    ("multi_passkey", {"seq_len": 32}, "seq_len"),  # 8 needles need 33
 ]
 
 

@@ -145,7 +145,7 @@ def test_run_directory_is_never_overwritten(tmp_path):
 
 
 def test_ctrl_c_saves_a_checkpoint(tmp_path, monkeypatch):
-    real_step = train.train_step
+    real_step = train.StepRunner.__call__
     calls = []
 
     def interrupted(*args, **kwargs):
@@ -154,7 +154,7 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(train.trainer, "train_step", interrupted)
+    monkeypatch.setattr(train.StepRunner, "__call__", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.run(SMOKE, tmp_path / "run", progress=False)
     assert (tmp_path / "run" / "checkpoints" / "1").exists()
@@ -180,3 +180,24 @@ def test_equal_configs_share_one_compiled_train_step():
     assert nnx.graphdef(first) == nnx.graphdef(second)
     _, other = train.build(SMOKE.replace(learning_rate=1e-4))
     assert nnx.graphdef(other) != nnx.graphdef(first)
+
+
+def test_the_loop_step_runner_equals_train_step():
+    """`StepRunner` (the loop's step, the graph traversed once) updates the model and the
+    optimizer as `train_step` does."""
+    cfg = SMOKE.replace(batch_size=2)
+    task = cfg.make_task()
+    (m1, o1), (m2, o2) = train.build(cfg), train.build(cfg)
+    runner = train.StepRunner(m2, o2)
+    for step, dense in ((0, True), (1, False), (2, False)):
+        b = task.batch_at(cfg.seed, step, cfg.batch_size)
+        args = [jnp.asarray(x) for x in (b.tokens, b.targets, b.loss_mask)]
+        want = train.train_step(m1, o1, *args, dense=dense, indexer_kl_weight=1.0)
+        got = runner(*args, dense=dense, indexer_kl_weight=1.0)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+    pairs = zip(
+        jax.tree.leaves(nnx.state((m1, o1))), jax.tree.leaves(nnx.state((m2, o2))), strict=True
+    )
+    for a, b in pairs:
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)

@@ -192,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     defaults = _train_defaults()
     train_parser.add_argument("--preset", choices=sorted(PRESETS), help="model preset (tiny)")
-    train_parser.add_argument("--task", choices=["mqar", "passkey"], help=f"task ({defaults.task})")
+    train_parser.add_argument(
+        "--task", choices=sorted(_train_tasks()), help=f"task ({defaults.task})"
+    )
     train_parser.add_argument(
         "--task-set",
         action="append",
@@ -244,10 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument(
         "--max-minutes",
         type=_minutes,
-        default=3.5,
-        help="stop training (with a checkpoint) after this long; --resume continues (default "
-        "3.5, so the whole job, with compilation and the final evaluations, fits in 5 minutes; "
-        "0 = no limit)",
+        help="a guard, not a budget: stop training (with a checkpoint) after this long; --resume "
+        "continues. The result then depends on the machine's speed. Default: no limit, the run "
+        "is defined by its steps (0 = no limit)",
     )
     train_parser.set_defaults(run=_train)
     return parser
@@ -257,6 +258,12 @@ def _train_defaults():
     from v41jax import train
 
     return train.TrainConfig()
+
+
+def _train_tasks():
+    from v41jax.train import tasks
+
+    return tasks.TASKS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from v41jax.nn import cache as cache_lib
 from v41jax.nn import dispatch
@@ -139,7 +139,7 @@ class Attention(nnx.Module):
         batch, seq, _ = x.shape
         positions = jnp.arange(seq)
         qr, q = self._queries(x, positions)
-        window_rows, window_valid = _window_rows(self._window_kv(x, positions), c.window_size)
+        window = self._window_kv(x, positions)
         shared = self._publish_compressed(x, shared)
 
         if plan.role is Role.WINDOW:
@@ -153,14 +153,16 @@ class Attention(nnx.Module):
             kv = shared.kv
             indices = attended_indices(plan, shared, compress_lens, kv.shape[1], dense=dense)
             key_mask = indices_to_mask(indices, kv.shape[1])
-        result = masked_attention(q, window_rows, window_valid, kv, key_mask, self.sink[...])
+        result = masked_attention(
+            q, window, kv, key_mask, self.sink[...], window_size=c.window_size
+        )
 
         aux = {}
-        probs = result.probs[..., c.window_size :]
+        probs = result.probs
         if indexer_loss and self.indexer is not None:
             aux["indexer_kl"], aux["indexer_kl_rows"] = indexer_kl(scores, probs, key_mask)
         if diagnostics and plan.role is not Role.WINDOW:
-            dense_probs = self._dense_probs(q, window_rows, window_valid, kv, compress_lens)
+            dense_probs = self._dense_probs(q, window, kv, compress_lens)
             aux.update(key_mask=key_mask, probs=probs, dense_probs=dense_probs)
             if scores is not None:
                 aux["scores"] = scores
@@ -182,12 +184,14 @@ class Attention(nnx.Module):
             shared = shared.replace(index_k=keys)
         return shared
 
-    def _dense_probs(self, q, window_rows, window_valid, kv, compress_lens):
+    def _dense_probs(self, q, window, kv, compress_lens):
         """The layer's dense attention (all visible entries, its own queries) over compressed
         positions, summed over heads and renormalized: what a selection should cover."""
         visible = jnp.arange(kv.shape[1]) < compress_lens[..., None]
-        dense = masked_attention(q, window_rows, window_valid, kv, visible, self.sink[...])
-        dense_probs = jnp.sum(dense.probs[..., self.config.window_size :], axis=-2)
+        dense = masked_attention(
+            q, window, kv, visible, self.sink[...], window_size=self.config.window_size
+        )
+        dense_probs = jnp.sum(dense.probs, axis=-2)
         total = jnp.sum(dense_probs, axis=-1, keepdims=True)
         return dense_probs / jnp.where(total > 0, total, 1.0)
 
@@ -320,13 +324,3 @@ class Attention(nnx.Module):
                 index_k=cache_lib.write_entry(cache.index_k, entry, keys, complete)
             )
         return cache
-
-
-def _window_rows(
-    window: Float[Array, "b t d"], window_size: int
-) -> tuple[Float[Array, "b t w d"], Bool[Array, "b t w"]]:
-    """Each query's window rows: query p sees positions p−W+1..p (those < 0 invalid)."""
-    batch, seq = window.shape[:2]
-    window_pos = jnp.arange(seq)[:, None] + jnp.arange(window_size) - (window_size - 1)
-    rows = window[:, jnp.maximum(window_pos, 0)]
-    return rows, jnp.broadcast_to(window_pos >= 0, (batch, seq, window_size))

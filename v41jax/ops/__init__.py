@@ -17,9 +17,11 @@ Pallas kernels (`pallas_kernels`) are tested against these functions; the NNX mo
 """
 
 from v41jax.ops.attention import (
+    MaskedAttentionResult,
     SparseAttentionResult,
     masked_attention,
     packed_sparse_attention,
+    sliding_window_rows,
     softmax_with_sink,
     sparse_attention,
 )
@@ -55,6 +57,7 @@ __all__ = [
     "FORMATS",
     "CandidatePool",
     "Format",
+    "MaskedAttentionResult",
     "SparseAttentionResult",
     "TopK",
     "check_finite",
@@ -77,6 +80,7 @@ __all__ = [
     "pooled_scores",
     "pooled_topk",
     "select_candidate_blocks",
+    "sliding_window_rows",
     "softmax_with_sink",
     "sparse_attention",
     "topk",

@@ -116,46 +116,113 @@ def softmax_with_sink(
     return probs, lse
 
 
+class MaskedAttentionResult(NamedTuple):
+    """`masked_attention`'s result.
+
+    Attributes:
+      out: [B, T, H, D] float32 attention output.
+      probs: [B, T, H, S] float32 softmax weight of every compressed position (0 where not
+        selected), normalized with the window and the sink; NaN in a row whose output is.
+      lse: [B, T, H] float32 log of the normaliser including the sink.
+    """
+
+    out: Float[Array, "batch seq head dim"]
+    probs: Float[Array, "batch seq head n_kv"]
+    lse: Float[Array, "batch seq head"]
+
+
+def sliding_window_rows(
+    window_kv: Float[Array, "batch seq dim"], window_size: int
+) -> tuple[Float[Array, "batch seq window dim"], Bool[Array, "batch seq window"]]:
+    """The window of every query as gathered rows (the layout of `sparse_attention` and of
+    decode's ring): query p sees positions p−W+1..p, slot w holding position p−W+1+w; slots
+    before position 0 are invalid. `masked_attention` computes the same window without the
+    gather."""
+    batch, seq = window_kv.shape[:2]
+    window_pos = jnp.arange(seq)[:, None] + jnp.arange(window_size) - (window_size - 1)
+    rows = window_kv[:, jnp.maximum(window_pos, 0)]
+    return rows, jnp.broadcast_to(window_pos >= 0, (batch, seq, window_size))
+
+
+def _finite_rows(x: Float[Array, "*rows dim"]) -> tuple[Array, Array]:
+    """(x with every non-finite row zeroed, which rows were finite): a zero row that is masked
+    out contributes 0 to a matmul, where a NaN one would spread 0·NaN = NaN to every query."""
+    finite = jnp.all(jnp.isfinite(x), axis=-1)
+    return jnp.where(finite[..., None], x, 0.0), finite
+
+
+def _window_logits(q, rows, finite, window_size):
+    """Sliding-window logits without gathering each query's rows.
+
+    Queries go in chunks of W; chunk i attends to the 2W positions of chunks i−1 and i, a band
+    of which holds its window (key k of the 2W is query q's iff q < k ≤ q + W). Returns (logits
+    [B, T, H, 2W], the band's keys [B, T/W, 2W, D] zero-padded, valid [B, T, 1, 2W], poisoned
+    [B, T]: a valid window key is non-finite)."""
+    (batch, seq, heads, dim), w = q.shape, window_size
+    chunks = -(-seq // w)
+    pad = chunks * w - seq
+
+    def band_keys(x, fill):  # [B, T, ...] -> [B, chunks, 2W, ...]: chunk i-1's and i's rows
+        widths = ((0, 0), (w, pad)) + ((0, 0),) * (x.ndim - 2)
+        x = jnp.pad(x, widths, constant_values=fill)
+        shape = (batch, chunks, w, *x.shape[2:])
+        return jnp.concatenate([x[:, : chunks * w].reshape(shape), x[:, w:].reshape(shape)], axis=2)
+
+    keys = band_keys(rows, 0.0)
+    qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch, chunks, w, heads, dim)
+    logits = jnp.einsum("bcqhd,bckd->bcqhk", qc, keys, precision=lax.Precision.HIGHEST)
+    logits = logits.reshape(batch, chunks * w, heads, 2 * w)[:, :seq]
+    qi, ki = np.arange(w)[:, None], np.arange(2 * w)[None, :]
+    band = (qi < ki) & (ki <= qi + w)  # [W, 2W]
+    first = band & (ki >= w)  # chunk 0: the previous chunk is before position 0
+    valid = np.concatenate([first[None], np.broadcast_to(band, (chunks - 1, w, 2 * w))])
+    valid = jnp.asarray(valid.reshape(chunks * w, 2 * w)[:seq])
+    bad = ~band_keys(finite, True)[:, :, None, :]  # [B, chunks, 1, 2W]
+    bad = jnp.broadcast_to(bad, (batch, chunks, w, 2 * w)).reshape(batch, chunks * w, 2 * w)
+    poisoned = jnp.any(bad[:, :seq] & valid, axis=-1)
+    return logits, keys, jnp.broadcast_to(valid[:, None, :], (batch, seq, 1, 2 * w)), poisoned
+
+
 def masked_attention(
     q: Float[Array, "batch seq head dim"],
-    window_kv: Float[Array, "batch seq window dim"],
-    window_valid: Bool[Array, "batch seq window"],
+    window_kv: Float[Array, "batch seq dim"],
     kv: Float[Array, "batch n_kv dim"],
     key_mask: Bool[Array, "batch seq n_kv"],
     sink: Float[Array, " head"],
     *,
+    window_size: int,
     scale: float | None = None,
-) -> SparseAttentionResult:
-    """`sparse_attention` for a whole sequence, with the selection given as a mask over `kv`.
+) -> MaskedAttentionResult:
+    """`sparse_attention` for a whole sequence: a sliding window over the sequence's own rows
+    and the selection given as a mask over its compressed KV (prefill, training).
 
-    The same function as `sparse_attention` with `indices` = the True positions of `key_mask`
-    (selections hold distinct positions, so nothing is counted twice), laid out for prefill and
-    training: every query row shares the sequence's compressed KV, and the selected keys are
-    scored with one [T, S] matmul per head instead of a [T, K, D] gather, which is what makes
-    training on the CPU affordable. Like the official reference, it computes every position and
-    masks; the cost is O(T·S) per head.
+    The same function as `sparse_attention` of query p with the window rows of positions
+    p−W+1..p (`sliding_window_rows`) and `indices` = the True positions of `key_mask[p]`
+    (selections hold distinct positions, so nothing is counted twice), laid out for a sequence:
+    the window is a band computed chunk by chunk (O(T·W) per head, no per-query gather), and
+    every query shares the compressed KV, scored with one [T, S] matmul per head (O(T·S)).
 
     Args:
-      q: [B, T, H, D] queries.
-      window_kv: [B, T, W, D] each query's window rows; window_valid: [B, T, W].
+      q: [B, T, H, D] queries of positions 0..T−1.
+      window_kv: [B, T, D] the window KV row of every position (K = V).
       kv: [B, S, D] compressed KV of the sequence (K = V); key_mask: [B, T, S] selected keys.
       sink: [H] per-head sink logit (unscaled, zero value).
+      window_size: W >= 0, the window's length.
       scale: logit scale, default D^-0.5.
 
     Returns:
-      `SparseAttentionResult(out [B, T, H, D], probs [B, T, H, W + S] (window slots, then every
-      position of `kv`, 0 where not selected), lse [B, T, H])`.
+      `MaskedAttentionResult(out [B, T, H, D], probs [B, T, H, S], lse [B, T, H])`.
 
-    Non-finite values stay where `sparse_attention` puts them: a NaN or ±inf in a selected key
-    makes that query's output non-finite, one in a key the query does not select has no effect
-    on it (the [T, S] matmul would otherwise spread 0·NaN to every query of the sequence).
+    Non-finite values stay where `sparse_attention` puts them: a NaN or ±inf in a key a query
+    attends to (its window or its selection) makes that query's output non-finite, one in a key
+    it does not attend to has no effect on it (a shared matmul would otherwise spread 0·NaN to
+    every query of the sequence).
     """
-    q, window_kv, window_valid = jnp.asarray(q), jnp.asarray(window_kv), jnp.asarray(window_valid)
+    q, window_kv = jnp.asarray(q), jnp.asarray(window_kv)
     kv, key_mask, sink = jnp.asarray(kv), jnp.asarray(key_mask), jnp.asarray(sink)
     for name, x, kind, layout in (
         ("q", q, "floating", "[B, T, H, D]"),
-        ("window_kv", window_kv, "floating", "[B, T, W, D]"),
-        ("window_valid", window_valid, "bool", "[B, T, W]"),
+        ("window_kv", window_kv, "floating", "[B, T, D]"),
         ("kv", kv, "floating", "[B, S, D]"),
         ("key_mask", key_mask, "bool", "[B, T, S]"),
         ("sink", sink, "floating", "[H]"),
@@ -163,38 +230,51 @@ def masked_attention(
         require_dtype(name, x, kind)
         if x.ndim != layout.count(",") + 1:
             raise ValueError(f"{name}: expected shape {layout}, got {x.shape}")
-    (batch, seq, n_heads, dim), n_window = q.shape, window_kv.shape[2]
+    batch, seq, n_heads, dim = q.shape
     for name, x, want in (
-        ("window_kv", window_kv, (batch, seq, n_window, dim)),
-        ("window_valid", window_valid, (batch, seq, n_window)),
+        ("window_kv", window_kv, (batch, seq, dim)),
         ("kv", kv, (batch, kv.shape[1], dim)),
         ("key_mask", key_mask, (batch, seq, kv.shape[1])),
         ("sink", sink, (n_heads,)),
     ):
         if x.shape != want:
             raise ValueError(f"{name}: expected shape {want} (from q and kv), got {x.shape}")
+    if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 0:
+        raise ValueError(f"window_size: expected an int >= 0, got {window_size!r}")
     scale = _resolve_scale(scale, dim)
-    q32 = q.astype(jnp.float32)
-    window_kv = jnp.where(window_valid[..., None], window_kv.astype(jnp.float32), 0.0)
-    kv = kv.astype(jnp.float32)
-    finite_row = jnp.all(jnp.isfinite(kv), axis=-1)  # [B, S]
-    poisoned = jnp.any(key_mask & ~finite_row[:, None, :], axis=-1)  # [B, T]
     hi = lax.Precision.HIGHEST
-    logits = jnp.concatenate(
-        [
-            jnp.einsum("bthd,btwd->bthw", q32, window_kv, precision=hi),
-            jnp.einsum("bthd,bsd->bths", q32, kv, precision=hi),
-        ],
-        axis=-1,
-    )
-    valid = jnp.concatenate([window_valid, key_mask], axis=-1)[..., None, :]
+    q32 = q.astype(jnp.float32)
+    kv, finite_kv = _finite_rows(kv.astype(jnp.float32))
+    poisoned = jnp.any(key_mask & ~finite_kv[:, None, :], axis=-1)  # [B, T]
+    kv_logits = jnp.einsum("bthd,bsd->bths", q32, kv, precision=hi)
+    if window_size and seq:
+        rows, finite_w = _finite_rows(window_kv.astype(jnp.float32))
+        w_logits, w_keys, w_valid, w_poisoned = _window_logits(q32, rows, finite_w, window_size)
+        poisoned = poisoned | w_poisoned
+        logits = jnp.concatenate([w_logits, kv_logits], axis=-1)
+        valid = jnp.concatenate(
+            [w_valid, jnp.broadcast_to(key_mask[:, :, None], (batch, seq, 1, key_mask.shape[-1]))],
+            axis=-1,
+        )
+    else:
+        logits, valid, w_logits = kv_logits, key_mask[:, :, None], None
     probs, lse = softmax_with_sink(logits * scale, valid, sink)
-    n_window = window_kv.shape[-2]
-    out = jnp.einsum("bthw,btwd->bthd", probs[..., :n_window], window_kv, precision=hi)
-    clean = jnp.where(finite_row[..., None], kv, 0.0)
-    out = out + jnp.einsum("bths,bsd->bthd", probs[..., n_window:], clean, precision=hi)
-    out = jnp.where(poisoned[..., None, None], jnp.nan, out)
-    return SparseAttentionResult(out, probs, lse)
+    out = jnp.einsum(
+        "bths,bsd->bthd", probs[..., logits.shape[-1] - kv.shape[1] :], kv, precision=hi
+    )
+    if w_logits is not None:
+        band = 2 * window_size
+        chunks = w_keys.shape[1]
+        pw = jnp.pad(probs[..., :band], ((0, 0), (0, chunks * window_size - seq), (0, 0), (0, 0)))
+        pw = pw.reshape(batch, chunks, window_size, n_heads, band)
+        out_w = jnp.einsum("bcqhk,bckd->bcqhd", pw, w_keys, precision=hi)
+        out = out + out_w.reshape(batch, chunks * window_size, n_heads, dim)[:, :seq]
+        probs = probs[..., band:]
+    nan = jnp.float32(jnp.nan)
+    out = jnp.where(poisoned[..., None, None], nan, out)
+    lse = jnp.where(poisoned[..., None], nan, lse)
+    probs = jnp.where(poisoned[..., None, None], nan, probs)
+    return MaskedAttentionResult(out, probs, lse)
 
 
 def _resolve_scale(scale: float | Float[Array, ""] | None, dim: int) -> float | Float[Array, ""]:

@@ -18,6 +18,7 @@ from v41jax.train.rundir import RunDirectoryError, plot_run, read_metrics
 from v41jax.train.trainer import (
     EVAL_SEED_OFFSET,
     StepHook,
+    StepRunner,
     TrainConfig,
     build,
     load,
@@ -35,6 +36,7 @@ __all__ = [
     "EVAL_SEED_OFFSET",
     "RunDirectoryError",
     "StepHook",
+    "StepRunner",
     "TrainConfig",
     "build",
     "load",

@@ -1,11 +1,13 @@
 """Synthetic long-range retrieval tasks for training and evaluating the candidate pool (DESIGN §7).
 
-Two tasks, both generated in numpy, vectorized over the batch and deterministic from a seed:
+Three tasks, all generated in numpy, vectorized over the batch and deterministic from a seed:
 
   - 'mqar': scattered multi-query associative recall (Zoology's MQAR with the key-value pairs
     spread over the whole context among filler tokens).
   - 'passkey': a marker and an N-digit key at a random (or fixed) depth in filler, recalled digit
     by digit after a query marker at the end (the Landmark Attention / Quest recipe at toy scale).
+  - 'multi_passkey': several one-digit passkeys, each with its own marker and digit range, all
+    recalled after the query marker (one scored lookup per needle).
 
 Each task is a frozen dataclass: its fields are the task's configuration (validated on
 construction), its methods draw batches. Contexts default to 128 tokens, 4x the 32-position
@@ -427,7 +429,118 @@ class PasskeyTask(RetrievalTask):
         )
 
 
-TASKS: dict[str, type[RetrievalTask]] = {"mqar": MQARTask, "passkey": PasskeyTask}
+@dataclasses.dataclass(frozen=True)
+class MultiPasskeyTask(RetrievalTask):
+    """Several passkeys in one context, each recalled by its marker ('multi_passkey').
+
+    Layout (one example, positions in `tokens`):
+        <bos> [filler with n_needles needles "m_i d_i"] <q> m_a d_a m_b d_b ... (all needles)
+    Needle i is its marker m_i (one id of `marker_ids` per needle, the same every example)
+    followed by a digit d_i drawn from the marker's own range of `digits_per_needle` ids. The
+    needles sit at uniform random non-overlapping positions of the context; after <q> every
+    marker comes once, in random order, followed by its digit. Scored: each marker of the query
+    region, target its digit; evidence: the position of that digit in the context.
+
+    Why: the single passkey scores one position per sequence, and a tiny model's plateau before
+    it finds the needle varies from seed to seed. Here every sequence scores `n_needles`
+    independent lookups of the same kind (one content lookup each: "the digit of range i"), so
+    a step carries n_needles times the supervision at the same cost. Digit ranges are disjoint,
+    so an answered needle tells nothing about the others (no guessing by elimination), and each
+    query needs its own blocks in the pool.
+
+    Args:
+      seq_len: tokens per example. Default 128 = 4x the tiny pool.
+      n_needles: needles (and scored positions) per example.
+      digits_per_needle: size of each needle's digit range (chance is 1/digits_per_needle).
+      marker_ids: half-open id range of the markers (n_needles ids).
+      digit_ids: half-open id range of the digits (n_needles * digits_per_needle ids).
+      filler_ids: half-open id range of filler tokens (uniform random).
+      vocab_size: every id must be below it.
+    """
+
+    name: ClassVar[str] = "multi_passkey"
+    _prefixes: ClassVar[dict[str, str]] = {
+        "marker_ids": "m",
+        "digit_ids": "d",
+        "filler_ids": "f",
+    }
+
+    seq_len: int = 128
+    n_needles: int = 8
+    digits_per_needle: int = 8
+    marker_ids: tuple[int, int] = (4, 12)
+    digit_ids: tuple[int, int] = (12, 76)
+    filler_ids: tuple[int, int] = (132, 256)
+    vocab_size: int = 256
+
+    def __post_init__(self):
+        for field in ("n_needles", "digits_per_needle"):
+            value = getattr(self, field)
+            if not _is_int(value) or value <= 0:
+                self._fail(field, "a positive int", value)
+        self._validate_common(
+            4 * self.n_needles + 1,
+            f"<bos>, 2*n_needles={2 * self.n_needles} needle tokens, <q> and "
+            f"2*n_needles={2 * self.n_needles} query tokens, less the last target",
+        )
+        for field, want in (
+            ("marker_ids", self.n_needles),
+            ("digit_ids", self.n_needles * self.digits_per_needle),
+        ):
+            lo, hi = getattr(self, field)
+            if hi - lo != want:
+                self._fail(field, f"a range of exactly {want} ids", (lo, hi))
+
+    @property
+    def context_len(self) -> int:
+        """Context tokens between <bos> and <q>: seq_len - 1 - 2 * n_needles."""
+        return self.seq_len - 1 - 2 * self.n_needles
+
+    @property
+    def scored_per_example(self) -> int:
+        return self.n_needles
+
+    def _fill(self, rng, seq):
+        b, n_ctx, m = seq.shape[0], self.context_len, self.n_needles
+        rows = np.arange(b)[:, None]
+        seq[:, 1 : 1 + n_ctx] = rng.integers(*self.filler_ids, size=(b, n_ctx), dtype=np.int32)
+        markers = self.marker_ids[0] + np.arange(m)
+        digits = (
+            self.digit_ids[0]
+            + np.arange(m) * self.digits_per_needle
+            + rng.integers(0, self.digits_per_needle, size=(b, m))
+        ).astype(np.int32)
+        # Stars and bars, as MQARTask: m non-overlapping 2-token needles, uniform placements.
+        starts = _sample_subset_sorted(rng, b, n_ctx - m, m) + np.arange(m)
+        order = _sample_without_replacement(rng, b, m, m)  # needle i sits at the order[i]-th slot
+        marker_pos = 1 + np.take_along_axis(starts, order, axis=1)
+        seq[rows, marker_pos] = markers
+        seq[rows, marker_pos + 1] = digits
+        query_start = 1 + n_ctx
+        seq[:, query_start] = QUERY
+        asked = _sample_without_replacement(rng, b, m, m)
+        scored = query_start + 1 + 2 * np.arange(m)
+        seq[:, scored] = markers[asked]
+        seq[:, scored + 1] = np.take_along_axis(digits, asked, axis=1)
+        return scored, np.take_along_axis(marker_pos + 1, asked, axis=1)
+
+    def describe(self) -> str:
+        """A few lines on the layout, scoring and chance level."""
+        return (
+            f"multi_passkey: seq_len {self.seq_len}; {self.n_needles} needles (a marker and a "
+            f"digit from the marker's own {self.digits_per_needle} ids) in a "
+            f"{self.context_len}-token random filler context, then <q> and every marker again, "
+            "each followed by its digit.\n"
+            f"Scored: {self.n_needles} positions per example (each marker after <q>; target its "
+            f"digit). Chance: 1/{self.digits_per_needle}."
+        )
+
+
+TASKS: dict[str, type[RetrievalTask]] = {
+    "mqar": MQARTask,
+    "passkey": PasskeyTask,
+    "multi_passkey": MultiPasskeyTask,
+}
 
 
 def make_task(name: str, **overrides) -> RetrievalTask:

@@ -274,8 +274,7 @@ def loss_fn(
     return loss, metrics
 
 
-@nnx.jit(static_argnames=("dense", "indexer_kl_weight"))
-def train_step(
+def _train_step(
     model: Model,
     optimizer: nnx.Optimizer,
     tokens: jax.Array,
@@ -285,8 +284,6 @@ def train_step(
     dense: bool,
     indexer_kl_weight: float,
 ) -> dict[str, jax.Array]:
-    """One optimizer step; returns the step's metrics (before the update)."""
-
     def loss(m):
         return loss_fn(
             m, tokens, targets, loss_mask, dense=dense, indexer_kl_weight=indexer_kl_weight
@@ -296,6 +293,84 @@ def train_step(
     optimizer.update(model, grads)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return metrics
+
+
+train_step = nnx.jit(_train_step, static_argnames=("dense", "indexer_kl_weight"))
+train_step.__doc__ = """One optimizer step on (model, optimizer), updated in place; returns the
+step's metrics (before the update). The training loop uses `StepRunner`, the same step without
+nnx.jit's per-call traversal of the model graph."""
+
+
+def _step_on_values(
+    values, tokens, targets, loss_mask, *, graphdef, paths, dense, indexer_kl_weight
+):
+    """`_train_step` as a function of the variables' values (in `paths` order)."""
+    model, optimizer = nnx.merge(
+        graphdef, nnx.from_flat_state(list(zip(paths, values, strict=True)))
+    )
+    metrics = _train_step(
+        model,
+        optimizer,
+        tokens,
+        targets,
+        loss_mask,
+        dense=dense,
+        indexer_kl_weight=indexer_kl_weight,
+    )
+    flat = nnx.to_flat_state(nnx.state((model, optimizer)))
+    if tuple(flat.paths) != paths:
+        raise AssertionError("StepRunner: the step changed the structure of the model's state")
+    return [v.get_value() for v in flat.leaves], metrics
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_step(graphdef, paths: tuple) -> Callable:
+    # One jitted function per model structure, hashed once per runner rather than at every call
+    # (hashing the graph definition costs milliseconds); equal configs share its compilations.
+    return jax.jit(
+        functools.partial(_step_on_values, graphdef=graphdef, paths=paths),
+        static_argnames=("dense", "indexer_kl_weight"),
+        donate_argnums=0,
+    )
+
+
+class StepRunner:
+    """`train_step` on a fixed (model, optimizer) with the graph traversed once.
+
+    nnx.jit flattens the model and the optimizer at every call (about 20 ms of host time for
+    tiny(), more than its whole step on a GPU); the runner keeps references to their variables,
+    hands their values to a plain `jax.jit` step (donated: updated in place on the device) and
+    writes the new values back. Writing back holds Ctrl-C until every variable has its new
+    value, so an interruption never leaves a model half a step ahead.
+    """
+
+    def __init__(self, model: Model, optimizer: nnx.Optimizer):
+        self.graphdef, state = nnx.split((model, optimizer))
+        flat = nnx.to_flat_state(state)
+        self.paths = tuple(flat.paths)
+        by_path = {
+            path: node
+            for path, node in nnx.iter_graph((model, optimizer))
+            if isinstance(node, nnx.Variable)
+        }
+        self.variables = [by_path[path] for path in self.paths]
+        self.step = _compiled_step(self.graphdef, self.paths)
+
+    def __call__(
+        self, tokens, targets, loss_mask, *, dense: bool, indexer_kl_weight: float
+    ) -> dict[str, jax.Array]:
+        with rundir.deferred_interrupts():
+            values, metrics = self.step(
+                [v.get_raw_value() for v in self.variables],
+                tokens,
+                targets,
+                loss_mask,
+                dense=dense,
+                indexer_kl_weight=indexer_kl_weight,
+            )
+            for variable, value in zip(self.variables, values, strict=True):
+                variable.set_raw_value(value)
+        return metrics
 
 
 StepHook = Callable[[int, dict[str, jax.Array]], bool | None]
@@ -322,11 +397,10 @@ def train_steps(
       the number of steps done (`end`, or where `on_step` stopped the loop).
     """
     done = start
+    step_fn = StepRunner(model, optimizer)
     for step in range(start, end):
         batch = task.batch_at(cfg.seed, step, cfg.batch_size)
-        metrics = train_step(
-            model,
-            optimizer,
+        metrics = step_fn(
             jnp.asarray(batch.tokens),
             jnp.asarray(batch.targets),
             jnp.asarray(batch.loss_mask),
