@@ -87,9 +87,10 @@ def table(report: dict) -> str:
         ci = "" if lo is None else f" [{lo:.1%}, {hi:.1%}]"
         return f"{s['mean']:.1%}{ci}"
 
+    met = f"{len(t['seeds_meeting_target'])}/{len(t['seeds_run'])}"
     lines.append(
         f"| mean [95 % CI] | | {cell(t['accuracy'])} | {cell(t['dense_accuracy'])} | "
-        f"{cell(t['gap'], bounded=False)} | {len(t['seeds_meeting_target'])}/{len(t['seeds_run'])} |"
+        f"{cell(t['gap'], bounded=False)} | {met} |"
     )
     return "\n".join(lines)
 

@@ -173,3 +173,24 @@ def test_params_counts_toy_and_real_stacks(capsys):
     }
     assert cli.main(["params", "--preset", "tiny"]) == 0
     assert "attention/reindex" in capsys.readouterr().out
+
+
+def test_model_set_reaches_the_run_and_named_options_win(monkeypatch, tmp_path):
+    """`--model-set kv_format=...` was dropped when `--kv-format` was not given (the unset
+    option's None replaced it): the run trained the preset's format, silently."""
+    from v41jax import train
+
+    seen = []
+
+    def fake_run(cfg, out, **kwargs):
+        seen.append(cfg)
+        raise KeyboardInterrupt  # stop before any training
+
+    monkeypatch.setattr(train, "run", fake_run)
+    out = ["--out", str(tmp_path / "run")]
+    changes = ["--model-set", "kv_format=mxfp4", "--model-set", "block_score=mean"]
+    assert cli.main(["train", *out, *changes]) == 130
+    assert dict(seen[-1].model_overrides) == {"kv_format": "mxfp4", "block_score": "mean"}
+    assert cli.main(["train", *out, *changes, "--kv-format", "fp8"]) == 130
+    assert dict(seen[-1].model_overrides)["kv_format"] == "fp8"
+    assert cli.main(["train", *out, "--model-set", "kv_format=fp4"]) == 2

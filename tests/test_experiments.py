@@ -158,3 +158,21 @@ def test_paired_differences_are_taken_on_the_same_seed():
     lines = study_tables.paired({"results": records}, "f32").splitlines()
     assert lines[2] == "| ptq/fp8 | +0.0 [-25.0, +25.0] | -0.1250 [-0.7500, +0.5000] | 2 |"
     assert len(lines) == 3
+
+
+def test_main_job_seeds_target_and_interval():
+    from experiments import main_job_seeds
+
+    records = [
+        {"seed": s, "step": 400, "accuracy": a, "dense_accuracy": d, "stopped_early": False}
+        for s, (a, d) in enumerate([(0.96, 0.97), (0.99, 1.0), (0.94, 0.94), (0.97, 1.0)])
+    ]
+    summary = main_job_seeds.target_summary(records)
+    assert summary["seeds_meeting_target"] == [0, 1]  # seed 2 below 95 %, seed 3 3 points below
+    acc = summary["accuracy"]
+    assert acc["n"] == 4 and acc["min"] == 0.94 and abs(acc["mean"] - 0.965) < 1e-12
+    lo, hi = acc["ci95"]
+    assert lo < 0.94 < 0.99 < hi  # 4 seeds: the t-interval is wider than their range
+    assert main_job_seeds.interval([0.5])["ci95"] is None
+    table = main_job_seeds.table({"results": records, "target": summary})
+    assert table.count("\n") == len(records) + 2 and "| 2/4 |" in table and "100.0%]" in table

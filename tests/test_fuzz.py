@@ -272,7 +272,7 @@ BAD_VALUES = st.one_of(
     st.tuples(st.just("--lr"), st.sampled_from(["nan", "inf", "-inf", "-0.5"])),
     st.tuples(
         st.just("--steps"),
-        st.text(min_size=1, max_size=6).filter(lambda s: not s.strip().isdigit()),
+        st.text(min_size=1, max_size=6).filter(_not_a_positive_int),
     ),
     st.tuples(st.just("--task-set"), st.sampled_from(["n_pairs=abc", "seq_len=-4", "nope=1", "="])),
     st.tuples(

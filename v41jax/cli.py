@@ -60,11 +60,14 @@ def _params(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from v41jax import train  # imports jax/flax; `bytes` stays light
 
-    model = dict(args.model_set) | {
+    # The named options are shorthands of --model-set: given, they win; not given (None), they
+    # leave a --model-set of the same field as it is.
+    named = {
         "kv_format": args.kv_format,
         "index_format": args.index_format,
         "block_score": args.block_score,
     }
+    model = dict(args.model_set) | {k: v for k, v in named.items() if v is not None}
     try:
         cfg = train.make_config(
             preset=args.preset,

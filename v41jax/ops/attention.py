@@ -15,7 +15,8 @@ Three forms of the one op, all built on `softmax_with_sink`:
 - `packed_sparse_attention`: the same over the packed caches of decode (gather the selected
   packed rows, unpack only those, `sparse_attention`): the definition the FP4-dequant kernel of
   `pallas_kernels.sparse_attention` is tested against (DESIGN §6);
-- `masked_attention`: a whole sequence with the selection as a [T, S] mask (prefill, training).
+- `masked_attention`: a whole sequence (prefill, training): the window as a band over the
+  sequence's own rows, the selection as a [T, S] mask over its compressed KV.
 """
 
 from __future__ import annotations
