@@ -118,9 +118,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         run_dir = args.runs_dir / f"seed{seed}"
         result = _common.train_run(cfg, run_dir, args)
         records.append({"variant": "main_job", "seed": seed, "run_dir": str(run_dir), **result})
-        report = _common.write_report(json_path, config, records)
+        summary = _common.summarize(records)
+        report = {"config": config, "results": records, "summary": summary}
         report["target"] = target_summary(records)
-        json_path.write_text(json.dumps(report, indent=1))
+        json_path.write_text(json.dumps(report, indent=1))  # after every seed: a cut keeps them
     print(table(report))
     print(f"wrote {json_path}")
     return report

@@ -77,6 +77,25 @@ def _sample_subset_sorted(rng: np.random.Generator, batch: int, n: int, k: int) 
     return np.sort(np.argpartition(rng.random((batch, n)), k - 1, axis=1)[:, :k], axis=1)
 
 
+def _scattered_pair_starts(rng: np.random.Generator, batch: int, n_ctx: int, d: int) -> np.ndarray:
+    """int64 [batch, d]: ascending starts of d non-overlapping 2-token pairs in [0, n_ctx),
+    uniform over all such placements (stars and bars: d sorted distinct slots in
+    [0, n_ctx - d), each shifted by its rank)."""
+    return _sample_subset_sorted(rng, batch, n_ctx - d, d) + np.arange(d)
+
+
+def _write_query_region(
+    seq: np.ndarray, query_start: int, keys: np.ndarray, values: np.ndarray
+) -> np.ndarray:
+    """Writes <q> at `query_start`, then "key value" pairs [B, Q]; returns the Q scored
+    positions (each key, whose target is its value)."""
+    seq[:, query_start] = QUERY
+    scored = query_start + 1 + 2 * np.arange(keys.shape[1])
+    seq[:, scored] = keys
+    seq[:, scored + 1] = values
+    return scored
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
@@ -294,20 +313,19 @@ class MQARTask(RetrievalTask):
         keys = k_lo + _sample_without_replacement(rng, b, k_hi - k_lo, d)
         values = v_lo + _sample_without_replacement(rng, b, v_hi - v_lo, d)
         if self.arrangement == "scattered":
-            # Stars and bars: d sorted distinct slots in [0, n_ctx - d), shifted by their rank, are
-            # the starts of d non-overlapping 2-token pairs, uniform over all such placements.
-            starts = _sample_subset_sorted(rng, b, n_ctx - d, d) + np.arange(d)
+            starts = _scattered_pair_starts(rng, b, n_ctx, d)
         else:
             starts = np.broadcast_to(2 * np.arange(d), (b, d))
         key_pos = 1 + starts
         seq[rows, key_pos] = keys
         seq[rows, key_pos + 1] = values
-        query_start = 1 + n_ctx
-        seq[:, query_start] = QUERY
         asked = _sample_without_replacement(rng, b, d, q)
-        scored = query_start + 1 + 2 * np.arange(q)
-        seq[:, scored] = np.take_along_axis(keys, asked, axis=1)
-        seq[:, scored + 1] = np.take_along_axis(values, asked, axis=1)
+        scored = _write_query_region(
+            seq,
+            1 + n_ctx,
+            np.take_along_axis(keys, asked, axis=1),
+            np.take_along_axis(values, asked, axis=1),
+        )
         return scored, np.take_along_axis(key_pos + 1, asked, axis=1)
 
     def describe(self) -> str:
@@ -510,18 +528,15 @@ class MultiPasskeyTask(RetrievalTask):
             + np.arange(m) * self.digits_per_needle
             + rng.integers(0, self.digits_per_needle, size=(b, m))
         ).astype(np.int32)
-        # Stars and bars, as MQARTask: m non-overlapping 2-token needles, uniform placements.
-        starts = _sample_subset_sorted(rng, b, n_ctx - m, m) + np.arange(m)
+        starts = _scattered_pair_starts(rng, b, n_ctx, m)
         order = _sample_without_replacement(rng, b, m, m)  # needle i sits at the order[i]-th slot
         marker_pos = 1 + np.take_along_axis(starts, order, axis=1)
         seq[rows, marker_pos] = markers
         seq[rows, marker_pos + 1] = digits
-        query_start = 1 + n_ctx
-        seq[:, query_start] = QUERY
         asked = _sample_without_replacement(rng, b, m, m)
-        scored = query_start + 1 + 2 * np.arange(m)
-        seq[:, scored] = markers[asked]
-        seq[:, scored + 1] = np.take_along_axis(digits, asked, axis=1)
+        scored = _write_query_region(
+            seq, 1 + n_ctx, markers[asked], np.take_along_axis(digits, asked, axis=1)
+        )
         return scored, np.take_along_axis(marker_pos + 1, asked, axis=1)
 
     def describe(self) -> str:
