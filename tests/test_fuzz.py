@@ -270,6 +270,7 @@ BAD_VALUES = st.one_of(
     st.tuples(st.just("--batch-size"), st.integers(-100, 0).map(str)),
     st.tuples(st.just("--seed"), st.integers(-(10**6), -1).map(str)),
     st.tuples(st.just("--lr"), st.sampled_from(["nan", "inf", "-inf", "-0.5"])),
+    st.tuples(st.just("--adam-b2"), st.sampled_from(["nan", "1", "1.5", "-0.1", "x"])),
     st.tuples(
         st.just("--steps"),
         st.text(min_size=1, max_size=6).filter(_not_a_positive_int),

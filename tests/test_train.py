@@ -165,6 +165,11 @@ def test_bad_train_config_names_the_field():
         SMOKE.replace(steps=0)
     with pytest.raises(ValueError, match=r"TrainConfig\.attention"):
         SMOKE.replace(attention="full")
+    for b2 in (1.0, -0.1, float("nan"), True):
+        with pytest.raises(
+            ValueError, match=r"TrainConfig\.adam_b2: expected a number in \[0, 1\)"
+        ):
+            SMOKE.replace(adam_b2=b2)
     with pytest.raises(ValueError, match=r"ModelConfig\.kv_format"):
         SMOKE.with_model(kv_format="fp4")
     with pytest.raises(ValueError, match="seq_len"):
@@ -178,8 +183,9 @@ def test_equal_configs_share_one_compiled_train_step():
     _, first = train.build(SMOKE)
     _, second = train.build(SMOKE)
     assert nnx.graphdef(first) == nnx.graphdef(second)
-    _, other = train.build(SMOKE.replace(learning_rate=1e-4))
-    assert nnx.graphdef(other) != nnx.graphdef(first)
+    for change in ({"learning_rate": 1e-4}, {"adam_b2": 0.5}):
+        _, other = train.build(SMOKE.replace(**change))
+        assert nnx.graphdef(other) != nnx.graphdef(first), change
 
 
 def test_the_loop_step_runner_equals_train_step():

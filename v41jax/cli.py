@@ -75,6 +75,7 @@ def _train(args: argparse.Namespace) -> int:
             steps=args.steps,
             batch_size=args.batch_size,
             learning_rate=args.lr,
+            adam_b2=args.adam_b2,
             attention=args.attention,
             seed=args.seed,
             dense_warmup_steps=args.dense_warmup_steps,
@@ -218,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument("--batch-size", type=int, help=f"({defaults.batch_size})")
     train_parser.add_argument(
         "--lr", type=float, help=f"peak learning rate ({defaults.learning_rate})"
+    )
+    train_parser.add_argument(
+        "--adam-b2", type=float, help=f"AdamW's second-moment decay ({defaults.adam_b2})"
     )
     train_parser.add_argument(
         "--dense-warmup-steps",
