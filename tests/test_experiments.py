@@ -176,3 +176,20 @@ def test_main_job_seeds_target_and_interval():
     assert main_job_seeds.interval([0.5])["ci95"] is None
     table = main_job_seeds.table({"results": records, "target": summary})
     assert table.count("\n") == len(records) + 2 and "| 2/4 |" in table and "100.0%]" in table
+
+
+def test_recipe_sweep_table_counts_seeds_and_steps_to_target():
+    from experiments import recipe_sweep
+
+    curves = [{"50": 0.2, "100": 0.96, "150": 1.0}, {"50": 0.1, "100": 0.5, "150": 0.97}]
+    curves.append({"50": 0.1, "100": 0.2, "150": 0.9})
+    rows = [
+        {"variant": "lr5e-3_b2", "seed": s, "accuracy": c["150"], "curve": c}
+        for s, c in enumerate(curves)
+    ]
+    assert [recipe_sweep.steps_to(c, 0.95) for c in curves] == [100, 150, None]
+    table = recipe_sweep.table({"results": rows})
+    row = table.splitlines()[2]
+    assert "learning_rate=0.005, adam_b2=0.95" in row and "| 2/3 |" in row
+    assert "| 125 |" in row  # the median of the steps of the seeds that got there (100, 150)
+    assert "100% 97% 90%" in row and "95.7% [" in row
