@@ -124,6 +124,7 @@ def run_one(args: dict, barrier: str | None = None) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     return {
         **args,
+        "device": jax.devices()[0].device_kind,
         "compile_s": compile_s,
         "compiled_temp_gib": temp_gib,
         "first_step_s": first,
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-step", type=int, default=32768)
     parser.add_argument("--chunk-budget", type=int, default=2**26, help="batch·chunk·seq_len")
     parser.add_argument("--steps", type=int, default=5, help="timed steps after the first")
-    parser.add_argument("--compile-timeout-s", type=float, default=240.0)
+    parser.add_argument("--deadline-s", type=float, default=240.0, help="then stop compiling")
     parser.add_argument("--run-timeout-s", type=float, default=60.0)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--barrier", help=argparse.SUPPRESS)
@@ -172,12 +173,14 @@ def main() -> None:
         print(json.dumps(run_one(json.loads(args.one), args.barrier)), flush=True)
         return
 
-    # Every configuration compiles at once in its own process (compilation is CPU work, a
-    # minute each for small()); then they run one at a time, each alone on the GPU.
+    # Every configuration compiles at once in its own process (compilation is CPU work, most of
+    # a minute each for small()); the compiled ones run one at a time, each alone on the GPU
+    # (others may still be compiling on the CPU: `compiling_meanwhile`). This process never
+    # touches the GPU, so each child's peak is its own.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     report = {
-        "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "commit": os.environ.get("V41JAX_COMMIT", "unknown"),
         "date": time.strftime("%Y-%m-%d"),
         "peak_flops": PEAK_BF16_FLOPS,
@@ -185,40 +188,42 @@ def main() -> None:
         "results": [],
     }
     work = Path(tempfile.mkdtemp())
-    children = []
+    pending = []
     for i, config in enumerate(plan(args)):
         barrier = str(work / str(i))
         out, err = open(f"{barrier}.out", "w"), open(f"{barrier}.err", "w")
         command = [sys.executable, __file__, "--one", json.dumps(config), "--out", "-"]
         child = subprocess.Popen([*command, "--barrier", barrier], env=env, stdout=out, stderr=err)
-        children.append((config, barrier, child))
+        pending.append((config, barrier, child))
     began = time.perf_counter()
-    while time.perf_counter() - began < args.compile_timeout_s and not all(
-        Path(f"{b}.compiled").exists() or c.poll() is not None for _, b, c in children
-    ):
-        time.sleep(1)
-    report["compile_phase_s"] = time.perf_counter() - began
-    for config, barrier, child in children:
-        result = dict(config)
+    while pending:
+        out_of_time = time.perf_counter() - began > args.deadline_s
+        ready = [p for p in pending if Path(f"{p[1]}.compiled").exists() or p[2].poll() is not None]
+        if not ready and not out_of_time:
+            time.sleep(0.5)
+            continue
+        config, barrier, child = ready[0] if ready else pending[0]
+        pending.remove((config, barrier, child))
+        result = dict(config, compiling_meanwhile=len(pending))
         if Path(f"{barrier}.compiled").exists():
             Path(f"{barrier}.go").touch()
             try:
                 child.wait(timeout=args.run_timeout_s)
             except subprocess.TimeoutExpired:
                 result["error"] = "run timeout"
-        elif child.poll() is None:
-            result["error"] = "compile timeout"
+        else:
+            result["error"] = "compile timeout" if child.poll() is None else None
         if child.poll() is None:
             child.kill()
             child.wait()
         lines = [x for x in Path(f"{barrier}.out").read_text().splitlines() if x.startswith("{")]
-        if "error" not in result:
-            if child.returncode == 0 and lines:
-                result = json.loads(lines[-1])
-            else:
-                text = Path(f"{barrier}.err").read_text()
-                oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-                result["error"] = "out of memory" if oom else " | ".join(text.splitlines()[-3:])
+        text = Path(f"{barrier}.err").read_text()
+        if child.returncode == 0 and lines and not result.get("error"):
+            result = dict(json.loads(lines[-1]), compiling_meanwhile=result["compiling_meanwhile"])
+        else:
+            oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+            tail = " | ".join(text.strip().splitlines()[-2:])
+            result["error"] = f"{result.get('error') or ''} {'out of memory' if oom else ''} {tail}"
         report["results"].append(result)
         print(_summary(result), flush=True)
         Path(args.out).write_text(json.dumps(report, indent=1))
