@@ -3,6 +3,7 @@
 
     python3 experiments/bench_tables.py experiments/results/bench_kernels_h200_2026-11-29.json
     python3 experiments/bench_tables.py --throughput experiments/results/train_throughput_*.json
+    python3 experiments/bench_tables.py --long-context experiments/results/long_context_h200_*.json
 """
 
 from __future__ import annotations
@@ -97,16 +98,43 @@ def throughput(reports: list[dict], before: list[dict] = ()) -> str:
     return "\n".join(lines)
 
 
+def long_context(report: dict) -> str:
+    """`long_context_memory.py`'s table: one row per configuration, by sequence length."""
+    lines = [
+        f"Commit {report['commit']}, {report['date']}, jax {report['jax']}, XLA_FLAGS "
+        f"'{report['xla_flags']}'; MFU against {report['peak_flops'] / 1e12:.0f} TFLOP/s.",
+        "",
+        "| seq_len | batch | query_chunk | step | tokens/s | peak GiB | MFU | compile |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(report["results"], key=lambda r: (r["seq_len"], -r["query_chunk"])):
+        head = f"| {_context(r['seq_len'])} | {r['batch']} | {r['query_chunk'] or 'off'} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error'].strip()[:60]} | | | | |")
+            continue
+        lines.append(
+            f"{head} {r['median_step_s'] * 1e3:,.0f} ms | {r['tokens_per_s']:,.0f} "
+            f"| {r['peak_gib']:.1f} | {r['mfu']:.2%} | {r['compile_s']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--throughput", action="store_true", help="the paths are throughput runs")
     parser.add_argument(
+        "--long-context", action="store_true", help="the paths are long_context_memory runs"
+    )
+    parser.add_argument(
         "--before", nargs="+", type=Path, default=[], help="earlier throughput runs to compare"
     )
     args = parser.parse_args()
     reports = [json.loads(p.read_text()) for p in args.paths]
-    if args.throughput:
+    if args.long_context:
+        for report in reports:
+            print(long_context(report))
+    elif args.throughput:
         before = [json.loads(p.read_text()) for p in args.before]
         print(throughput(reports, before))
     else:

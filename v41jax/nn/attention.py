@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from v41jax.nn import cache as cache_lib
@@ -30,10 +31,17 @@ from v41jax.nn.compressor import Compressor
 from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.nn.indexer import Indexer, indexer_kl
 from v41jax.nn.rope import apply_rope
-from v41jax.nn.selection import SharedState, attended_indices, select
+from v41jax.nn.selection import SharedState, attended_indices, select, select_chunk
 from v41jax.ops import formats
-from v41jax.ops.attention import masked_attention
-from v41jax.ops.scoring import indices_to_mask, topk_indices
+from v41jax.ops.attention import chunk_attention, masked_attention, sliding_window_rows
+from v41jax.ops.pool import CandidatePool
+from v41jax.ops.scoring import (
+    gather_rows,
+    index_scores,
+    index_scores_at,
+    indices_to_mask,
+    topk_indices,
+)
 
 
 class Attention(nnx.Module):
@@ -137,6 +145,8 @@ class Attention(nnx.Module):
         dispatch.check_implementation(implementation)
         c, plan = self.config, self.plan
         batch, seq, _ = x.shape
+        if c.query_chunk and seq and plan.role is not Role.WINDOW and not (debug or diagnostics):
+            return self._call_chunked(x, shared, dense=dense, indexer_loss=indexer_loss)
         positions = jnp.arange(seq)
         qr, q = self._queries(x, positions)
         window = self._window_kv(x, positions)
@@ -169,6 +179,101 @@ class Attention(nnx.Module):
             if plan.uses_candidates:
                 aux["unrestricted_topk"] = topk_indices(scores, c.index_topk)
         return self._output(result.out, positions), shared, aux
+
+    def _call_chunked(
+        self, x, shared: SharedState, *, dense: bool, indexer_loss: bool
+    ) -> tuple[Float[Array, "b t dim"], SharedState, dict[str, Array]]:
+        """`__call__` with `config.query_chunk` queries at a time (long sequences).
+
+        The per-sequence pieces (queries, window rows, the compressed KV and index keys) are
+        computed once; then, chunk by chunk under `jax.checkpoint` (the backward pass recomputes
+        a chunk instead of storing it; only the selection's integer ids are kept), an index
+        source scores and selects (`selection.select_chunk`), the layer attends to its window
+        and its selected keys gathered (`chunk_attention`; every visible key under a mask when
+        dense), and the KL loss reads the selected keys' scores (`index_scores_at`; every
+        visible key's when dense). Live memory is O(chunk·S) for a full scan or dense
+        attention, O(chunk·(W + k)) otherwise; the published state holds top-k and pool block
+        ids [B, T, ·] (the pool's mask is None). A last partial chunk is padded with queries
+        past the end whose results are dropped (and kept out of the KL loss).
+        """
+        c, plan = self.config, self.plan
+        batch, seq, _ = x.shape
+        chunk = min(c.query_chunk, seq)
+        n_chunks = -(-seq // chunk)
+        padded = n_chunks * chunk
+        positions = jnp.arange(seq)
+        qr, q = self._queries(x, positions)
+        window = self._window_kv(x, positions)
+        shared = self._publish_compressed(x, shared)
+        kv, index_k, sink = shared.kv, shared.index_k, self.sink[...]
+        n_kv, ratio = kv.shape[1], plan.compress_ratio
+        scans = self.indexer is not None
+        attends_all = dense or plan.topk_source is None
+
+        def chunked(a, fill):  # [B, T, ...] -> [n_chunks, B, chunk, ...]
+            a = jnp.pad(
+                a, ((0, 0), (0, padded - seq)) + ((0, 0),) * (a.ndim - 2), constant_values=fill
+            )
+            return jnp.moveaxis(a.reshape(batch, n_chunks, chunk, *a.shape[2:]), 1, 0)
+
+        def whole(a):  # [n_chunks, B, chunk, ...] -> [B, T, ...]
+            return jnp.moveaxis(a, 0, 1).reshape(batch, padded, *a.shape[3:])[:, :seq]
+
+        xs = {"q": chunked(q, 0.0), "positions": jnp.arange(padded).reshape(n_chunks, chunk)}
+        if scans:
+            index_q, index_w = self.indexer.queries(
+                jax.lax.stop_gradient(qr), jax.lax.stop_gradient(x), positions
+            )
+            xs.update(index_q=chunked(index_q, 0.0), index_w=chunked(index_w, 0.0))
+            if plan.uses_candidates:
+                xs["pool"] = chunked(shared.pool.block_ids, -1)
+        elif not attends_all:
+            xs["topk"] = chunked(shared.topk, -1)
+
+        def one_chunk(xs):
+            pos = xs["positions"]
+            lens = jnp.broadcast_to(jnp.minimum((pos + 1) // ratio, n_kv), (batch, chunk))
+            real = jnp.broadcast_to(pos < seq, (batch, chunk))
+            outs = {}
+            if scans:
+                picks = select_chunk(
+                    c, plan, xs["index_q"], xs["index_w"], lens, index_k, xs.get("pool")
+                )
+                outs["topk"] = topk = checkpoint_name(picks.topk, "selection")
+                if picks.block_ids is not None:
+                    outs["pool"] = checkpoint_name(picks.block_ids, "selection")
+            else:
+                topk = xs.get("topk")
+            rows, rows_valid = sliding_window_rows(window, c.window_size, pos)
+            visible = jnp.arange(n_kv) < lens[..., None]
+            if attends_all:
+                result = chunk_attention(xs["q"], rows, rows_valid, kv, sink, key_mask=visible)
+            else:
+                result = chunk_attention(xs["q"], rows, rows_valid, kv, sink, indices=topk)
+            outs["out"] = result.out
+            if indexer_loss and scans:
+                if dense:
+                    scores = index_scores(xs["index_q"], xs["index_w"], index_k, lens)
+                    keys = visible & real[..., None]
+                else:
+                    rows_k = gather_rows(index_k, topk)
+                    scores = index_scores_at(xs["index_q"], xs["index_w"], rows_k, topk, lens)
+                    keys = (topk >= 0) & real[..., None]
+                outs["kl"], outs["kl_rows"] = indexer_kl(scores, result.probs, keys)
+            return outs
+
+        policy = jax.checkpoint_policies.save_only_these_names("selection")
+        outs = jax.lax.map(jax.checkpoint(one_chunk, prevent_cse=False, policy=policy), xs)
+        aux = {}
+        if scans:
+            pool = shared.pool
+            if "pool" in outs:
+                pool = CandidatePool(mask=None, block_ids=whole(outs["pool"]))
+            shared = shared.replace(topk=whole(outs["topk"]), pool=pool)
+            if indexer_loss:
+                aux["indexer_kl"] = jnp.sum(outs["kl"])
+                aux["indexer_kl_rows"] = jnp.sum(outs["kl_rows"])
+        return self._output(whole(outs["out"]), positions), shared, aux
 
     def _publish_compressed(self, x, shared: SharedState) -> SharedState:
         """Step 1 (KV sources): the compressor's entries become the shared main KV, and a Full

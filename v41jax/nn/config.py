@@ -103,6 +103,13 @@ class ModelConfig:
       rope_theta: RoPE base of window-only layers.
       compress_rope_theta: RoPE base of layers with compressed KV.
       norm_eps: RMSNorm epsilon.
+      query_chunk: queries per chunk of a layer's prefill and training pass, or 0 for the whole
+        sequence at once. With chunks, each layer with compressed KV scores, selects and attends
+        chunk by chunk under rematerialization (`nn.attention.Attention.__call__`): the sparse
+        layers gather their selected keys (O(T·(k + w)) memory), the index scans and dense
+        attention hold O(chunk·S) at a time, and the published state keeps top-k and pool block
+        ids only (no [T, S] pool mask). Values and gradients are those of the whole-sequence
+        path; `debug` and `diagnostics` runs use the whole-sequence path.
     """
 
     n_layers: int
@@ -133,6 +140,7 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     compress_rope_theta: float = 160_000.0
     norm_eps: float = 1e-6
+    query_chunk: int = 0
 
     def __post_init__(self):
         for name in (
@@ -189,6 +197,8 @@ def _validate(c: ModelConfig) -> None:
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             _fail(name, "a positive int", value)
+    if isinstance(c.query_chunk, bool) or not isinstance(c.query_chunk, int) or c.query_chunk < 0:
+        _fail("query_chunk", "an int >= 0 (0: the whole sequence at once)", c.query_chunk)
     for name in ("rope_theta", "compress_rope_theta", "norm_eps"):
         value = getattr(c, name)
         ok = isinstance(value, int | float) and not isinstance(value, bool)

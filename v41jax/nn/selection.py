@@ -8,11 +8,16 @@ official code keeps it in a global runtime object instead.
 - `select`: an index source (Full or Reindex layer) scores, the candidate source builds the pool,
   and the layer publishes its top-k (inside the pool for a Reindex layer after the candidate
   source). Reuse, Dense and window-only layers publish nothing new.
+- `select_chunk`: `select` for a chunk of a long sequence's queries, in compact form: a Reindex
+  layer scores only its pool's positions (gathered rows), the candidate source publishes block
+  ids (no [T, S] pool mask).
 - `attended_indices`: the compressed entries a layer attends to: the latest published top-k, or
   every visible entry (dense attention, or after a dense KV source).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +28,13 @@ from v41jax.nn import dispatch
 from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.nn.indexer import Indexer
 from v41jax.ops.invariants import check_scores, check_selection
-from v41jax.ops.pool import CandidatePool, select_candidate_blocks
-from v41jax.ops.scoring import index_scores, topk_indices
+from v41jax.ops.pool import (
+    CandidatePool,
+    pool_positions,
+    pool_topk_from_scores,
+    select_candidate_blocks,
+)
+from v41jax.ops.scoring import gather_rows, index_scores, index_scores_at, topk_indices
 
 
 @struct.dataclass
@@ -40,7 +50,8 @@ class SharedState:
       topk: [B, T, index_topk] int32 latest published selection (positions into the compressed
         KV, ascending, −1 padded), or None.
       pool: the candidate pool published by the candidate source (`CandidatePool` with mask
-        [B, T, S] and block_ids [B, T, topk_blocks]), or None.
+        [B, T, S] and block_ids [B, T, topk_blocks]; mask None after a chunked pass,
+        `ModelConfig.query_chunk`), or None.
     """
 
     kv: Float[Array, "b s d"] | None = None
@@ -118,6 +129,57 @@ def select(
             publishes_pool=plan.is_candidate_source,
         )
     return shared.replace(topk=topk, pool=pool), scores
+
+
+class ChunkSelection(NamedTuple):
+    """`select_chunk`'s result for a chunk of C queries.
+
+    Attributes:
+      topk: [B, C, index_topk] int32 the layer's picks (ascending, −1 padded).
+      block_ids: [B, C, candidate_topk_blocks] int32 the candidate pool's blocks when the layer
+        is the candidate source, else None.
+    """
+
+    topk: Int[Array, "b c k"]
+    block_ids: Int[Array, "b c nb"] | None
+
+
+def select_chunk(
+    config: ModelConfig,
+    plan: LayerPlan,
+    q: Float[Array, "b c heads index_dim"],
+    weights: Float[Array, "b c heads"],
+    compress_lens: Int[Array, "b c"],
+    index_k: Float[Array, "b s index_dim"],
+    pool_block_ids: Int[Array, "b c nb"] | None,
+) -> ChunkSelection:
+    """`select` of an index source for a chunk of queries, given its indexer queries and weights.
+
+    The same picks as `select` (`topk_indices`' rules: ties to the lowest position, −inf picks
+    dropped) in the compact form of long sequences: a Reindex layer inside the pool scores only
+    the pool's positions (`index_scores_at` on gathered rows, `pool_topk_from_scores`), and the
+    candidate source returns its pool's block ids, not a [C, S] mask.
+    """
+    if plan.uses_candidates:
+        block_size = config.candidate_block_size
+        positions = pool_positions(pool_block_ids, block_size)
+        rows = gather_rows(index_k, positions)
+        scores = index_scores_at(q, weights, rows, positions, compress_lens)
+        picks = pool_topk_from_scores(
+            scores, pool_block_ids, config.index_topk, block_size=block_size
+        )
+        return ChunkSelection(picks.indices, None)
+    scores = index_scores(q, weights, index_k, compress_lens)
+    block_ids = None
+    if plan.is_candidate_source:
+        block_ids = select_candidate_blocks(
+            scores,
+            compress_lens,
+            config.candidate_topk_blocks,
+            config.candidate_block_size,
+            reduce=config.block_score,
+        ).block_ids
+    return ChunkSelection(topk_indices(scores, config.index_topk), block_ids)
 
 
 def attended_indices(

@@ -12,13 +12,14 @@ Pallas kernels (`pallas_kernels`) are tested against these functions; the NNX mo
 | `pool`       | the candidate pool and its block reducers; scoring inside a pool of packed keys |
 |              | (DESIGN §3 step 3, §6.1)                                                        |
 | `attention`  | window + top-k + sink attention: over float KV, over packed caches, as a mask   |
-|              | (DESIGN §3 step 4)                                                              |
+|              | (whole sequences), over gathered rows (chunks of long sequences; DESIGN §3.4)  |
 | `invariants` | the selection invariants, staged with checkify for debug mode                   |
 """
 
 from v41jax.ops.attention import (
     MaskedAttentionResult,
     SparseAttentionResult,
+    chunk_attention,
     masked_attention,
     packed_sparse_attention,
     sliding_window_rows,
@@ -50,7 +51,15 @@ from v41jax.ops.pool import (
     pooled_topk,
     select_candidate_blocks,
 )
-from v41jax.ops.scoring import TopK, index_scores, indices_to_mask, topk, topk_indices
+from v41jax.ops.scoring import (
+    TopK,
+    gather_rows,
+    index_scores,
+    index_scores_at,
+    indices_to_mask,
+    topk,
+    topk_indices,
+)
 
 __all__ = [
     "BLOCK_REDUCERS",
@@ -62,11 +71,14 @@ __all__ = [
     "TopK",
     "check_finite",
     "check_selection",
+    "chunk_attention",
     "fake_quant",
     "formats_for",
     "fp8_window_fake_quant",
     "full_scan_topk",
+    "gather_rows",
     "index_scores",
+    "index_scores_at",
     "indices_to_mask",
     "masked_attention",
     "mxfp4_fake_quant",

@@ -10,13 +10,16 @@ scale = D^-0.5 by default. Invalid keys (window slots marked invalid, index −1
 query with no valid key outputs exactly zero (the sink then holds all the mass), never NaN.
 Duplicated indices count twice, as in the reference (there is no deduplication, §5).
 
-Three forms of the one op, all built on `softmax_with_sink`:
+Four forms of the one op, all built on `softmax_with_sink`:
 - `sparse_attention`: queries with per-query indices into a float compressed KV (the definition);
 - `packed_sparse_attention`: the same over the packed caches of decode (gather the selected
   packed rows, unpack only those, `sparse_attention`): the definition the FP4-dequant kernel of
   `pallas_kernels.sparse_attention` is tested against (DESIGN §6);
 - `masked_attention`: a whole sequence (prefill, training): the window as a band over the
   sequence's own rows, the selection as a [T, S] mask over its compressed KV.
+- `chunk_attention`: a chunk of a long sequence's queries (training, prefill): the window and
+  the selection as gathered rows (O(T·(W + K)) over the sequence), or dense attention under a
+  mask over the compressed KV.
 """
 
 from __future__ import annotations
@@ -133,16 +136,20 @@ class MaskedAttentionResult(NamedTuple):
 
 
 def sliding_window_rows(
-    window_kv: Float[Array, "batch seq dim"], window_size: int
-) -> tuple[Float[Array, "batch seq window dim"], Bool[Array, "batch seq window"]]:
-    """The window of every query as gathered rows (the layout of `sparse_attention` and of
-    decode's ring): query p sees positions p−W+1..p, slot w holding position p−W+1+w; slots
-    before position 0 are invalid. `masked_attention` computes the same window without the
-    gather."""
+    window_kv: Float[Array, "batch seq dim"],
+    window_size: int,
+    positions: Int[Array, " query"] | None = None,
+) -> tuple[Float[Array, "batch query window dim"], Bool[Array, "batch query window"]]:
+    """The window of queries at `positions` (default: every position) as gathered rows (the
+    layout of `sparse_attention` and of decode's ring): query p sees positions p−W+1..p, slot w
+    holding position p−W+1+w; slots before position 0 or at/after the sequence's end are
+    invalid. `masked_attention` computes the same window without the gather."""
     batch, seq = window_kv.shape[:2]
-    window_pos = jnp.arange(seq)[:, None] + jnp.arange(window_size) - (window_size - 1)
-    rows = window_kv[:, jnp.maximum(window_pos, 0)]
-    return rows, jnp.broadcast_to(window_pos >= 0, (batch, seq, window_size))
+    positions = jnp.arange(seq) if positions is None else jnp.asarray(positions)
+    window_pos = positions[:, None] + jnp.arange(window_size) - (window_size - 1)
+    rows = window_kv[:, jnp.clip(window_pos, 0, max(seq - 1, 0))]
+    valid = (window_pos >= 0) & (window_pos < seq)
+    return rows, jnp.broadcast_to(valid, (batch, positions.shape[0], window_size))
 
 
 def _finite_rows(x: Float[Array, "*rows dim"]) -> tuple[Array, Array]:
@@ -275,6 +282,112 @@ def masked_attention(
     out = jnp.where(poisoned[..., None, None], nan, out)
     lse = jnp.where(poisoned[..., None], nan, lse)
     probs = jnp.where(poisoned[..., None, None], nan, probs)
+    return MaskedAttentionResult(out, probs, lse)
+
+
+def chunk_attention(
+    q: Float[Array, "batch query head dim"],
+    window_rows: Float[Array, "batch query window dim"],
+    window_valid: Bool[Array, "batch query window"],
+    kv: Float[Array, "batch n_kv dim"],
+    sink: Float[Array, " head"],
+    *,
+    indices: Int[Array, "batch query topk"] | None = None,
+    key_mask: Bool[Array, "batch query n_kv"] | None = None,
+    scale: float | None = None,
+) -> MaskedAttentionResult:
+    """`sparse_attention` of a chunk of a sequence's queries (long-sequence training, prefill).
+
+    Each query attends to its own window rows (`sliding_window_rows`) and to compressed keys
+    given one of two ways:
+      - `indices` [B, C, K]: its selection, gathered from `kv` (O(C·(W + K)) memory: the sparse
+        layers' form, no [T, S] array);
+      - `key_mask` [B, C, S]: a mask over the whole of `kv`, shared by the chunk's queries (dense
+        attention: the warm-up and the dense baseline, O(C·S) memory).
+    The same function as `masked_attention` for these queries (one softmax over window, keys and
+    sink; the sink's rule; a query without keys outputs 0), and the same treatment of
+    non-finite keys: a NaN or ±inf in a key the query attends to makes its output, probabilities
+    and lse NaN; one in a key it does not attend to has no effect on it.
+
+    Args:
+      q: [B, C, H, D] queries; window_rows: [B, C, W, D] and window_valid: [B, C, W] their windows.
+      kv: [B, S, D] the sequence's compressed KV (K = V); sink: [H] per-head sink logits.
+      indices: [B, C, K] selected positions, −1 (anything outside [0, S)) for none; or
+      key_mask: [B, C, S] the attended positions. Exactly one of the two.
+      scale: logit scale, default D^-0.5.
+
+    Returns:
+      `MaskedAttentionResult(out [B, C, H, D], probs [B, C, H, K] (`indices` order) or
+      [B, C, H, S], lse [B, C, H])`, float32; probs are normalized with the window and the sink.
+    """
+    if (indices is None) == (key_mask is None):
+        raise ValueError("chunk_attention: expected exactly one of indices and key_mask")
+    q, window_rows, window_valid = (
+        jnp.asarray(q),
+        jnp.asarray(window_rows),
+        jnp.asarray(window_valid),
+    )
+    kv, sink = jnp.asarray(kv), jnp.asarray(sink)
+    if q.ndim != 4:
+        raise ValueError(f"q: expected shape [B, C, H, D], got {q.shape}")
+    batch, n_query, n_heads, dim = q.shape
+    n_kv, n_window = kv.shape[1], window_rows.shape[2]
+    for name, x, want in (
+        ("window_rows", window_rows, (batch, n_query, n_window, dim)),
+        ("window_valid", window_valid, (batch, n_query, n_window)),
+        ("kv", kv, (batch, n_kv, dim)),
+        ("sink", sink, (n_heads,)),
+    ):
+        if x.shape != want:
+            raise ValueError(f"{name}: expected shape {want} (from q), got {x.shape}")
+    scale = _resolve_scale(scale, dim)
+    hi = lax.Precision.HIGHEST
+    q32 = q.astype(jnp.float32)
+    rows, finite_w = _finite_rows(window_rows.astype(jnp.float32))
+    kv, finite_kv = _finite_rows(kv.astype(jnp.float32))
+    poisoned = jnp.any(window_valid & ~finite_w, axis=-1)
+    if indices is not None:
+        indices = jnp.asarray(indices)
+        require_dtype("indices", indices, "integer")
+        if indices.shape[:2] != (batch, n_query) or indices.ndim != 3:
+            raise ValueError(
+                f"indices: expected shape [{batch}, {n_query}, K], got {indices.shape}"
+            )
+        selected = (indices >= 0) & (indices < n_kv)
+        safe = jnp.where(selected, indices, 0).reshape(batch, -1)
+        keys = jnp.take_along_axis(kv, safe[..., None], axis=1, mode="clip")
+        keys = keys.reshape(*indices.shape, dim)
+        key_finite = jnp.take_along_axis(finite_kv, safe, axis=1, mode="clip")
+        poisoned |= jnp.any(selected & ~key_finite.reshape(indices.shape), axis=-1)
+        keys = jnp.concatenate([rows, jnp.where(selected[..., None], keys, 0.0)], axis=2)
+        valid = jnp.concatenate([window_valid, selected], axis=-1)
+        logits = jnp.einsum("bchd,bckd->bchk", q32, keys, precision=hi)
+        probs, lse = softmax_with_sink(logits * scale, valid[:, :, None], sink)
+        out = jnp.einsum("bchk,bckd->bchd", probs, keys, precision=hi)
+    else:
+        key_mask = jnp.asarray(key_mask)
+        require_dtype("key_mask", key_mask, "bool")
+        if key_mask.shape != (batch, n_query, n_kv):
+            raise ValueError(
+                f"key_mask: expected shape {(batch, n_query, n_kv)} (q's and kv's), "
+                f"got {key_mask.shape}"
+            )
+        poisoned |= jnp.any(key_mask & ~finite_kv[:, None, :], axis=-1)
+        logits = jnp.concatenate(
+            [
+                jnp.einsum("bchd,bcwd->bchw", q32, rows, precision=hi),
+                jnp.einsum("bchd,bsd->bchs", q32, kv, precision=hi),
+            ],
+            axis=-1,
+        )
+        valid = jnp.concatenate([window_valid, key_mask], axis=-1)
+        probs, lse = softmax_with_sink(logits * scale, valid[:, :, None], sink)
+        out = jnp.einsum("bchw,bcwd->bchd", probs[..., :n_window], rows, precision=hi)
+        out = out + jnp.einsum("bchs,bsd->bchd", probs[..., n_window:], kv, precision=hi)
+    nan = jnp.float32(jnp.nan)
+    out = jnp.where(poisoned[..., None, None], nan, out)
+    lse = jnp.where(poisoned[..., None], nan, lse)
+    probs = jnp.where(poisoned[..., None, None], nan, probs[..., n_window:])
     return MaskedAttentionResult(out, probs, lse)
 
 

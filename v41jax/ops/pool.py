@@ -37,7 +37,15 @@ from v41jax.ops.checks import (
     require_nonnegative_int,
     require_positive_int,
 )
-from v41jax.ops.scoring import TopK, index_scores, indices_to_mask, topk, topk_indices
+from v41jax.ops.scoring import (
+    TopK,
+    gather_rows,
+    index_scores,
+    index_scores_at,
+    indices_to_mask,
+    topk,
+    topk_indices,
+)
 
 BlockReducer = Callable[
     [Float[Array, "*batch n_blocks block_size"], Bool[Array, "*batch n_blocks block_size"]],
@@ -246,14 +254,14 @@ def check_pooled_scores_args(
 
 
 def pool_positions(
-    block_ids: Int[Array, "batch n_blocks"], block_size: int
-) -> Int[Array, "batch n_pool"]:
-    """Position of every pool slot in block order: block_ids[b, i]·block_size + j; −1 where
-    the block id is −1 (or negative). Shape [B, NB·block_size], int32."""
+    block_ids: Int[Array, "*batch n_blocks"], block_size: int
+) -> Int[Array, "*batch n_pool"]:
+    """Position of every pool slot in block order: block_ids[..., i]·block_size + j; −1 where
+    the block id is −1 (or negative). Shape [..., NB·block_size], int32."""
     block_ids = jnp.asarray(block_ids, jnp.int32)
     pos = block_ids[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
     pos = jnp.where(block_ids[..., None] >= 0, pos, -1)
-    return pos.reshape(block_ids.shape[0], block_ids.shape[1] * block_size)
+    return pos.reshape(*block_ids.shape[:-1], block_ids.shape[-1] * block_size)
 
 
 def pooled_scores(
@@ -293,18 +301,14 @@ def pooled_scores(
     k_packed, q, weights = jnp.asarray(k_packed), jnp.asarray(q), jnp.asarray(weights)
     block_ids, lengths = jnp.asarray(block_ids), jnp.asarray(lengths)
     check_pooled_scores_args(k_packed, q, weights, block_ids, lengths, block_size, fmt)
-    n_pos = k_packed.shape[1]
     pos = pool_positions(block_ids, block_size)
-    valid = (pos >= 0) & (pos < lengths[:, None]) & (pos < n_pos)
-    rows = jnp.take_along_axis(k_packed, jnp.clip(pos, 0, n_pos - 1)[..., None], axis=1)
-    k = formats.unpack(rows, fmt, q.shape[-1])
-    scores = index_scores(q[:, None], weights[:, None], k, pos.shape[-1])[:, 0]
-    return jnp.where(valid, scores, -jnp.inf)
+    k = formats.unpack(gather_rows(k_packed, pos), fmt, q.shape[-1])
+    return index_scores_at(q, weights, k, pos, jnp.minimum(lengths, k_packed.shape[1]))
 
 
 def pool_topk_from_scores(
-    scores: Float[Array, "batch n_pool"],
-    block_ids: Int[Array, "batch n_blocks"],
+    scores: Float[Array, "*batch n_pool"],
+    block_ids: Int[Array, "*batch n_blocks"],
     k: int,
     *,
     block_size: int = 8,
@@ -312,7 +316,7 @@ def pool_topk_from_scores(
     """The k best pool slots as positions, sorted ascending, −1 padded (`scoring.topk`'s rule).
 
     Ties go to the lowest slot, which is the lowest position when `block_ids` is ascending (as
-    `CandidatePool` gives it). Returns `TopK(indices [B, k] int32 positions, scores [B, k])`.
+    `CandidatePool` gives it). Returns `TopK(indices [..., k] int32 positions, scores [..., k])`.
     """
     picks = topk(scores, k)
     pos = pool_positions(block_ids, block_size)

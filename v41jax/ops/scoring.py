@@ -4,6 +4,8 @@ The pure jnp definitions that the indexer modules, the pooled-scoring kernel and
 
 - `index_scores`: I[t, s] = Σ_h w[t, h]·ReLU(q[t, h]·k[s]), −inf at positions a query cannot see
   (`v41_architecture.md` §3 steps 5–6).
+- `index_scores_at`: the same scores of each query at its own few positions, from their gathered
+  key rows (`gather_rows`): a pool's slots, or a selection's picks (long sequences, decode).
 - `topk` / `topk_indices`: the top-k over positions, optionally restricted to a boolean mask (a
   Reindex layer's candidate pool), sorted ascending by position. **Project decision (DESIGN §3):**
   a pick whose score is −inf is dropped (index −1), unlike the official reference, which keeps
@@ -93,6 +95,66 @@ def index_scores(
     scores = jnp.where(visible, scores, -jnp.inf)
     chex.assert_shape(scores, (*rows, k.shape[-2]))
     return scores
+
+
+def gather_rows(
+    x: Float[Array, "batch n_rows dim"], positions: Int[Array, "batch ..."]
+) -> Float[Array, "batch ... dim"]:
+    """The rows of each sequence's `x` at `positions`: out[b, ..., :] = x[b, positions[b, ...]].
+
+    Positions outside [0, n_rows) (−1 padding) read row 0, or zeros when there is no row: the
+    caller masks them. A gather of the rows a query needs, never a [T, S] product."""
+    x, positions = jnp.asarray(x), jnp.asarray(positions)
+    require_min_ndim("x", x, 3, "[B, N, D]")
+    require_dtype("positions", positions, "integer")
+    if positions.ndim < 1 or positions.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"positions: expected shape [{x.shape[0]}, ...] (x's B), got {positions.shape}"
+        )
+    batch, n_rows, dim = x.shape[0], x.shape[1], x.shape[2:]
+    if n_rows == 0:
+        return jnp.zeros((*positions.shape, *dim), x.dtype)
+    flat = jnp.clip(positions, 0, n_rows - 1).reshape(batch, -1)
+    rows = x[jnp.arange(batch)[:, None], flat]
+    return rows.reshape(*positions.shape, *dim)
+
+
+def index_scores_at(
+    q: Float[Array, "*batch head index_dim"],
+    weights: Float[Array, "*batch head"],
+    k_rows: Float[Array, "*batch n index_dim"],
+    positions: Int[Array, "*batch n"],
+    compress_lens: Int[ArrayLike, "*batch"],
+) -> Float[Array, "*batch n"]:
+    """`index_scores` of each query at its own n positions, from the key rows gathered there.
+
+    score[..., i] = Σ_h w[..., h]·ReLU(q[..., h]·k_rows[..., i]) where 0 <= positions[..., i] <
+    compress_lens[...], −inf elsewhere (−1 padding, invisible positions). What a Reindex layer
+    computes inside its pool (`pool.pooled_scores` on packed rows) and what the indexer KL loss
+    reads at a selection's picks: O(n) per query instead of a scan of every position.
+
+    Args:
+      q: [..., H, Dk] one indexer query per leading index; weights: [..., H] its head weights.
+      k_rows: [..., n, Dk] the key rows at `positions` (`gather_rows`).
+      positions: [..., n] integer positions of those rows, −1 for none.
+      compress_lens: integer, broadcastable to [...]: visible positions of each query.
+
+    Returns:
+      [..., n] float32.
+    """
+    q, positions = jnp.asarray(q), jnp.asarray(positions)
+    require_dtype("positions", positions, "integer")
+    if positions.shape != jnp.shape(k_rows)[:-1]:
+        raise ValueError(
+            f"positions: expected shape {jnp.shape(k_rows)[:-1]} (k_rows' [..., n]), "
+            f"got {positions.shape}"
+        )
+    lens = as_lengths("compress_lens", compress_lens, q.shape[:-2])
+    scores = index_scores(
+        q[..., None, :, :], jnp.asarray(weights)[..., None, :], k_rows, positions.shape[-1]
+    )[..., 0, :]
+    visible = (positions >= 0) & (positions < lens[..., None])
+    return jnp.where(visible, scores, -jnp.inf)
 
 
 # --- top-k ---
