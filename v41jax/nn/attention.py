@@ -56,7 +56,7 @@ class Attention(nnx.Module):
             )
         c = self.config = config
         self.plan = plan
-        self.theta = c.compress_rope_theta if plan.compress_ratio else c.rope_theta
+        self.theta, self.yarn = c.rope(plan.compress_ratio)
         self.wq_a = nnx.Linear(c.dim, c.q_lora_rank, use_bias=False, rngs=rngs)
         self.q_norm = nnx.RMSNorm(c.q_lora_rank, epsilon=c.norm_eps, rngs=rngs)
         self.wq_b = nnx.Linear(c.q_lora_rank, c.n_heads * c.head_dim, use_bias=False, rngs=rngs)
@@ -77,30 +77,37 @@ class Attention(nnx.Module):
 
     # --- pieces shared by prefill and decode ---
 
+    def _rope(self, x, positions, *, inverse=False):
+        """RoPE of this layer (`ModelConfig.rope`: its base, and YaRN where it applies)."""
+        c = self.config
+        return apply_rope(
+            x, positions, c.rope_head_dim, self.theta, inverse=inverse, yarn=self.yarn
+        )
+
     def _queries(self, x, positions):
         """The low-rank query latent (shared with the indexer) and the rotated queries
         [..., H, D]."""
         c = self.config
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).reshape(*x.shape[:-1], c.n_heads, c.head_dim)
-        return qr, apply_rope(q, positions[..., None], c.rope_head_dim, self.theta)
+        return qr, self._rope(q, positions[..., None])
 
     def _window_kv(self, x, positions):
         """This token's window KV row: rotated at its position, fake-quantized (FP8)."""
         c = self.config
-        window = apply_rope(self.kv_norm(self.wkv(x)), positions, c.rope_head_dim, self.theta)
+        window = self._rope(self.kv_norm(self.wkv(x)), positions)
         return formats.fake_quant(window, c.window_format)
 
     def _main_kv(self, latent, entry_positions):
         """Compressed main KV: the latent rotated at its group's first token, then quantized."""
         c = self.config
-        kv = apply_rope(latent, entry_positions, c.rope_head_dim, self.theta)
+        kv = self._rope(latent, entry_positions)
         return formats.fake_quant(kv, c.kv_format)
 
     def _output(self, o, positions):
         """Inverse RoPE on the output's tail, then the grouped low-rank output projection."""
         c = self.config
-        o = apply_rope(o, positions[..., None], c.rope_head_dim, self.theta, inverse=True)
+        o = self._rope(o, positions[..., None], inverse=True)
         o = o.reshape(*o.shape[:-2], c.o_groups, c.n_heads // c.o_groups * c.head_dim)
         o = jnp.einsum("...gi,gio->...go", o, self.wo_a[...])
         return self.wo_b(o.reshape(*o.shape[:-2], c.o_groups * c.o_lora_rank))

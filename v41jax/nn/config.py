@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from v41jax.nn.rope import Yarn
 from v41jax.ops import formats
 from v41jax.ops.pool import BLOCK_REDUCERS
 
@@ -102,6 +103,14 @@ class ModelConfig:
       ffn_dim: hidden width of the dense SwiGLU FFN (the real model's MoE is out of scope).
       rope_theta: RoPE base of window-only layers.
       compress_rope_theta: RoPE base of layers with compressed KV.
+      yarn_original_len: YaRN's original context L (`nn.rope`), or 0 for plain RoPE. When set,
+        every layer with compressed KV (its queries, window KV, compressed KV and indexer) turns
+        at YaRN's rescaled frequencies at every position, as V4.1 does (L = 65,536); window-only
+        layers keep plain RoPE with `rope_theta`. For a toy, choose L near the training length
+        so that the ramp falls inside its few pairs (e.g. tiny(): rope_head_dim 16, L = 64,
+        factor 4 rescales pairs 1..7).
+      yarn_factor: YaRN's `rope_factor` (>= 1): slow pairs turn this many times slower.
+      yarn_beta_fast, yarn_beta_slow: YaRN's correction range in turns over L (32 and 1).
       norm_eps: RMSNorm epsilon.
       query_chunk: queries per chunk of a layer's prefill and training pass, or 0 for the whole
         sequence at once. With chunks, each layer with compressed KV scores, selects and attends
@@ -139,6 +148,10 @@ class ModelConfig:
     ffn_dim: int = 256
     rope_theta: float = 10_000.0
     compress_rope_theta: float = 160_000.0
+    yarn_original_len: int = 0
+    yarn_factor: float = 1.0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
     norm_eps: float = 1e-6
     query_chunk: int = 0
 
@@ -170,6 +183,19 @@ class ModelConfig:
     def candidate_pool_size(self) -> int:
         """Positions in a full candidate pool: `candidate_topk_blocks * candidate_block_size`."""
         return self.candidate_topk_blocks * self.candidate_block_size
+
+    def rope(self, compress_ratio: int) -> tuple[float, Yarn | None]:
+        """(theta, YaRN or None) of a layer with this compress ratio: layers with compressed KV
+        (ratio > 0) use `compress_rope_theta` and YaRN when `yarn_original_len` is set, window-only
+        layers `rope_theta` and plain RoPE (`nn.rope`)."""
+        if not compress_ratio:
+            return self.rope_theta, None
+        yarn = None
+        if self.yarn_original_len:
+            yarn = Yarn(
+                self.yarn_factor, self.yarn_original_len, self.yarn_beta_fast, self.yarn_beta_slow
+            )
+        return self.compress_rope_theta, yarn
 
 
 def _fail(field: str, expected: str, got) -> None:
@@ -204,6 +230,19 @@ def _validate(c: ModelConfig) -> None:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         if not ok or not math.isfinite(value) or value <= 0:
             _fail(name, "a finite number > 0", value)
+    if (
+        isinstance(c.yarn_original_len, bool)
+        or not isinstance(c.yarn_original_len, int)
+        or c.yarn_original_len < 0
+    ):
+        _fail("yarn_original_len", "an int >= 0 (0: no YaRN)", c.yarn_original_len)
+    for name, low in (("yarn_factor", 1.0), ("yarn_beta_slow", 0.0), ("yarn_beta_fast", 0.0)):
+        value = getattr(c, name)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < low or (low == 0 and value == 0):
+            _fail(name, f"a finite number {'>= 1' if low else '> 0'}", value)
+    if c.yarn_beta_fast <= c.yarn_beta_slow:
+        _fail("yarn_beta_fast", f"> yarn_beta_slow ({c.yarn_beta_slow})", c.yarn_beta_fast)
     if c.rope_head_dim < 0 or c.rope_head_dim % 2:
         _fail("rope_head_dim", "a non-negative even int (RoPE rotates pairs)", c.rope_head_dim)
     if c.rope_head_dim > min(c.head_dim, c.index_head_dim):
@@ -387,6 +426,10 @@ def v41_flash() -> ModelConfig:
         ffn_dim=2048,
         rope_theta=10_000.0,
         compress_rope_theta=160_000.0,
+        yarn_original_len=65_536,
+        yarn_factor=16.0,
+        yarn_beta_fast=32.0,
+        yarn_beta_slow=1.0,
         norm_eps=1e-20,
     )
 

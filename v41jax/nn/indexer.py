@@ -39,7 +39,9 @@ class Indexer(nnx.Module):
 
     def _rotate_and_quantize(self, x, positions):
         c = self.config
-        x = apply_rope(x, positions, c.rope_head_dim, c.compress_rope_theta)
+        # Indexers live in layers with compressed KV only: their base and YaRN.
+        theta, yarn = c.rope(compress_ratio=1)
+        x = apply_rope(x, positions, c.rope_head_dim, theta, yarn=yarn)
         return formats.fake_quant(x, c.index_format)
 
     def queries(
