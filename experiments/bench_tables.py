@@ -4,6 +4,7 @@
     python3 experiments/bench_tables.py experiments/results/bench_kernels_h200_2026-11-29.json
     python3 experiments/bench_tables.py --throughput experiments/results/train_throughput_*.json
     python3 experiments/bench_tables.py --long-context experiments/results/long_context_h200_*.json
+    python3 experiments/bench_tables.py --groups experiments/results/train_throughput_group_*.json
 """
 
 from __future__ import annotations
@@ -119,12 +120,41 @@ def long_context(report: dict) -> str:
     return "\n".join(lines)
 
 
+def groups(reports: list[dict]) -> str:
+    """The many-seeds table: one seed alone against N seeds in one program (`--group N` runs),
+    per step waited for (median) and dispatched back to back (pipelined mean)."""
+    lines = [
+        "| device | preset | attention | batch × seq | seeds | median step | seed-steps/s | "
+        "tokens/s | × one seed | pipelined step | × one seed, pipelined | first step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        alone = {(r["preset"], r["attention"]): r for r in report["results"]}
+        for g in report["groups"]:
+            one = alone[(g["preset"], g["attention"])]
+            for seeds, r, ratio, pipelined in (
+                (1, one, 1.0, 1.0),
+                (g["seeds"], g, g["vs_one_seed"], g["vs_one_seed_pipelined"]),
+            ):
+                lines.append(
+                    f"| {_where(report)} | {g['preset']} | {g['attention']} | {g['batch_size']} × "
+                    f"{g['seq_len']} | {seeds} | {r['median_step_s'] * 1e3:,.1f} ms | "
+                    f"{seeds / r['median_step_s']:,.1f} | {r['tokens_per_s']:,.0f} | "
+                    f"{ratio:.2f}× | {r['pipelined_step_s'] * 1e3:,.1f} ms | {pipelined:.2f}× | "
+                    f"{r['first_step_s']:.1f} s |"
+                )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--throughput", action="store_true", help="the paths are throughput runs")
     parser.add_argument(
         "--long-context", action="store_true", help="the paths are long_context_memory runs"
+    )
+    parser.add_argument(
+        "--groups", action="store_true", help="the paths are throughput runs with --group N"
     )
     parser.add_argument(
         "--before", nargs="+", type=Path, default=[], help="earlier throughput runs to compare"
@@ -134,6 +164,8 @@ def main() -> None:
     if args.long_context:
         for report in reports:
             print(long_context(report))
+    elif args.groups:
+        print(groups(reports))
     elif args.throughput:
         before = [json.loads(p.read_text()) for p in args.before]
         print(throughput(reports, before))

@@ -194,3 +194,66 @@ def test_model_set_reaches_the_run_and_named_options_win(monkeypatch, tmp_path):
     assert cli.main(["train", *out, *changes, "--kv-format", "fp8"]) == 130
     assert dict(seen[-1].model_overrides)["kv_format"] == "fp8"
     assert cli.main(["train", *out, "--model-set", "kv_format=fp4"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "seeds"),
+    [("0-4", (0, 1, 2, 3, 4)), ("0,2,5", (0, 2, 5)), ("0-2,7", (0, 1, 2, 7)), ("3", (3,))],
+)
+def test_seeds_spec(text, seeds):
+    assert cli.parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "expected seeds as N, N-M"),
+        ("4-2", "N <= M"),
+        ("-1", "integers >= 0"),
+        ("a,b", "got 'a,b'"),
+        ("0-2,1", "[1] more than once"),
+    ],
+)
+def test_bad_seeds_are_usage_errors(capsys, text, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--seeds", text])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seeds" in err and message in err
+
+
+def test_seeds_train_one_group_through_run_seeds(monkeypatch, tmp_path, capsys):
+    from v41jax import train
+
+    seen = []
+
+    def fake_run_seeds(cfgs, out, **kwargs):
+        seen.append((cfgs, out, kwargs))
+        raise KeyboardInterrupt  # stop before any training
+
+    monkeypatch.setattr(train, "run_seeds", fake_run_seeds)
+    argv = ["train", "--seeds", "0-2", "--lr", "0.003", "--group-size", "2"]
+    assert cli.main([*argv, "--out", str(tmp_path / "g")]) == 130
+    cfgs, out, kwargs = seen[-1]
+    assert [c.seed for c in cfgs] == [0, 1, 2] and {c.learning_rate for c in cfgs} == {0.003}
+    assert cfgs[1] == cfgs[0].replace(seed=1)
+    assert out == str(tmp_path / "g") and kwargs["group_size"] == 2
+    assert "seeds {0, 1}, {2}" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--seeds", "0-4"]) == 130
+    assert seen[-1][1] == "runs/tiny-passkey-sparse-seeds0-4" and seen[-1][2]["group_size"] is None
+    assert cli.main(["train", "--seeds", "0,3"]) == 130
+    assert seen[-1][1] == "runs/tiny-passkey-sparse-seeds0,3"
+
+
+def test_seeds_option_errors(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--seeds", "0-2", "--seed", "1"])
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    assert cli.main(["train", "--group-size", "2"]) == 2
+    assert "--group-size: expected --seeds with it" in capsys.readouterr().err
+    assert cli.main(["train", "--seeds", "0-1", "--resume", "--out", str(tmp_path)]) == 2
+    assert "no seed's run in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--seeds", "0-1", "--group-size", "0"])
+    assert "expected an integer >= 1, got '0'" in capsys.readouterr().err

@@ -7,6 +7,7 @@ v41jax bytes --json               # the same numbers, structured
 v41jax params                     # parameter counts: toy presets and the real V4.1-Flash stack
 v41jax train                      # the main job: train tiny() with pools + FP4 QAT (<= 5 min)
 v41jax train --task mqar --steps 2000 --kv-format mxfp4 --block-score mean --out runs/x
+v41jax train --seeds 0-4          # the main job on seeds 0..4, in one program on a GPU
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as err:  # a bad value: a usage error, like argparse's own
         print(f"v41jax train: error: {err}", file=sys.stderr)
         return 2
+    if args.group_size is not None and args.seeds is None:
+        print("v41jax train: error: --group-size: expected --seeds with it", file=sys.stderr)
+        return 2
+    if args.seeds is not None:
+        return _train_seeds(args, [cfg.replace(seed=seed) for seed in args.seeds])
     out = args.out or _default_run_dir(cfg)
     if args.resume and not os.path.isfile(os.path.join(out, "config.json")):
         print(f"v41jax train: error: --resume: no run in {out} to continue", file=sys.stderr)
@@ -106,6 +112,84 @@ def _train(args: argparse.Namespace) -> int:
         return 130
     print(train.summarize(cfg, out, result))
     return 0
+
+
+def _train_seeds(args: argparse.Namespace, cfgs: list) -> int:
+    """`train --seeds`: the runs of `cfgs` (one per seed) through `train.run_seeds`."""
+    from v41jax import train
+
+    cfg, seeds = cfgs[0], [c.seed for c in cfgs]
+    out = args.out or _default_run_dir(cfg, seeds)
+    held = [os.path.isfile(os.path.join(train.seed_dir(out, s), "config.json")) for s in seeds]
+    if args.resume and not any(held):
+        print(f"v41jax train: error: --resume: no seed's run in {out} to continue", file=sys.stderr)
+        return 2
+    try:
+        groups = train.seed_groups(cfgs, args.group_size)
+    except ValueError as err:
+        print(f"v41jax train: error: {err}", file=sys.stderr)
+        return 2
+    together = ", ".join("{" + ", ".join(str(c.seed) for c in g) + "}" for g in groups)
+    print(
+        f"training {cfg.preset} on {cfg.task} for {cfg.steps} steps, seeds {together} "
+        f"(each group in one program) -> {out}/seed<N>"
+    )
+    print(cfg.make_task().describe())
+    try:
+        results = train.run_seeds(
+            cfgs,
+            out,
+            group_size=args.group_size,
+            resume=args.resume,
+            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+        )
+    except train.RunDirectoryError as err:
+        print(f"v41jax train: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    for c, result in zip(cfgs, results, strict=True):
+        print(train.summarize(c, train.seed_dir(out, c.seed), result))
+    print("\nseed   with the pool   same weights, dense")
+    for c, result in zip(cfgs, results, strict=True):
+        dense = result.get("dense_accuracy")
+        dense_text = "n/a" if dense is None else f"{dense:.1%}"
+        print(f"{c.seed:>4}   {result['accuracy']:>13.1%}   {dense_text:>19}")
+    return 0
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """`--seeds`: seeds as N, N-M (inclusive) or a comma-separated list of them ('0-4',
+    '0,2,5', '0-2,7'); each seed at most once."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            low, high = -1, -1
+        if low < 0 or high < low:
+            raise argparse.ArgumentTypeError(
+                f"expected seeds as N, N-M or a comma-separated list of them (e.g. 0-4 or "
+                f"0,2,5; integers >= 0, N <= M), got {text!r}"
+            )
+        seeds += range(low, high + 1)
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"expected each seed once, got {text!r} ({repeated} more than once)"
+        )
+    return tuple(seeds)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def name_value(text: str) -> tuple[str, object]:
@@ -131,8 +215,16 @@ def _minutes(text: str) -> float:
     return value
 
 
-def _default_run_dir(cfg) -> str:
-    return os.path.join("runs", f"{cfg.preset}-{cfg.task}-{cfg.attention}-seed{cfg.seed}")
+def _default_run_dir(cfg, seeds: Sequence[int] | None = None) -> str:
+    """runs/<preset>-<task>-<attention>-seed<N> for one run; -seeds<A-B> (a range) or
+    -seeds<A,B,...> for a group's directory."""
+    name = f"{cfg.preset}-{cfg.task}-{cfg.attention}"
+    if seeds is None:
+        return os.path.join("runs", f"{name}-seed{cfg.seed}")
+    low, high = min(seeds), max(seeds)
+    contiguous = list(seeds) == list(range(low, high + 1))
+    label = f"{low}-{high}" if contiguous and high > low else ",".join(map(str, seeds))
+    return os.path.join("runs", f"{name}-seeds{label}")
 
 
 def _add_bytes_arguments(parser: argparse.ArgumentParser) -> None:
@@ -240,9 +332,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--index-format", choices=formats.formats_for("index", quantizable=True), help="(mxfp4)"
     )
     train_parser.add_argument("--block-score", choices=tuple(BLOCK_REDUCERS), help="(max)")
-    train_parser.add_argument("--seed", type=int, help="init and data seed (0)")
+    seed_options = train_parser.add_mutually_exclusive_group()
+    seed_options.add_argument("--seed", type=int, help="init and data seed (0)")
+    seed_options.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        metavar="SEEDS",
+        help="train several seeds of the same run, e.g. 0-4 or 0,2,5: on a GPU in one program "
+        "(a vmapped step over the stacked models), each seed in <out>/seed<N>/ as a single run",
+    )
     train_parser.add_argument(
-        "--out", help="run directory (runs/<preset>-<task>-<attention>-seed<N>)"
+        "--group-size",
+        type=_positive_int,
+        metavar="N",
+        help="with --seeds: seeds trained together in one program (default: all of them on a "
+        "GPU, one at a time on the CPU); fewer need less device memory",
+    )
+    train_parser.add_argument(
+        "--out",
+        help="run directory (runs/<preset>-<task>-<attention>-seed<N>; with --seeds, "
+        "runs/<preset>-<task>-<attention>-seeds<A-B> holding seed<N>/ for each seed)",
     )
     train_parser.add_argument("--resume", action="store_true", help="continue the run in --out")
     train_parser.add_argument(

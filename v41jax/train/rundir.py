@@ -28,6 +28,8 @@ import signal
 import threading
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -82,14 +84,11 @@ def truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in kept))
 
 
-def prepare(run_dir: Path, config: dict, resume: bool) -> bool:
-    """Checks `run_dir` for a run of `config` (its JSON), then creates it if it is new.
-
-    Returns whether it already held that run. Every check runs before anything is written:
-    a directory holding other files, a run of another config, a run without `resume`, or an
-    unreadable metrics file raise `RunDirectoryError` and leave the directory untouched.
-    """
+def check(run_dir: Path, config: dict, resume: bool) -> bool:
+    """`prepare`'s checks alone, writing nothing: whether `run_dir` holds a run of `config`
+    (its JSON); RunDirectoryError when it cannot be used as asked."""
     config_path, partial = run_dir / CONFIG, run_dir / _PARTIAL_CONFIG
+    config = json.loads(json.dumps(config))  # as saved: a tuple reads back as a list
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirectoryError(f"run directory {run_dir} is a file; choose a directory")
     if not config_path.exists():
@@ -102,13 +101,6 @@ def prepare(run_dir: Path, config: dict, resume: bool) -> bool:
                 f"({', '.join(others[:5])}); a run never writes into them: choose a new or "
                 "empty directory"
             )
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            # Written whole or not at all: a kill here leaves no half config behind.
-            partial.write_text(json.dumps(config, indent=2))
-            os.replace(partial, config_path)
-        except OSError as err:
-            raise RunDirectoryError(f"run directory {run_dir} cannot be written: {err}") from None
         return False
     if not resume:
         raise RunDirectoryError(
@@ -128,6 +120,26 @@ def prepare(run_dir: Path, config: dict, resume: bool) -> bool:
     if (run_dir / METRICS).exists():
         read_metrics(run_dir / METRICS)
     return True
+
+
+def prepare(run_dir: Path, config: dict, resume: bool) -> bool:
+    """Checks `run_dir` for a run of `config` (its JSON), then creates it if it is new.
+
+    Returns whether it already held that run. Every check runs before anything is written:
+    a directory holding other files, a run of another config, a run without `resume`, or an
+    unreadable metrics file raise `RunDirectoryError` and leave the directory untouched.
+    """
+    if check(run_dir, config, resume):
+        return True
+    partial = run_dir / _PARTIAL_CONFIG
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Written whole or not at all: a kill here leaves no half config behind.
+        partial.write_text(json.dumps(config, indent=2))
+        os.replace(partial, run_dir / CONFIG)
+    except OSError as err:
+        raise RunDirectoryError(f"run directory {run_dir} cannot be written: {err}") from None
+    return False
 
 
 @contextlib.contextmanager
@@ -186,6 +198,10 @@ def restore(manager, step: int, model: Model, optimizer: nnx.Optimizer) -> None:
             "Remove that step's folder to fall back to an older checkpoint, or start a new run "
             "in another directory."
         ) from None
+    # Uncommitted, as a freshly built model's arrays are: jit keys its compilations on whether
+    # an argument is committed to a device, so restored arrays as orbax returns them (committed)
+    # would compile the train step and the evaluation once more in every resumed run.
+    restored = jax.tree.map(lambda x: jnp.asarray(jax.device_get(x)), restored)
     nnx.replace_by_pure_dict(model_state, restored["model"])
     nnx.replace_by_pure_dict(opt_state, restored["opt"])
     nnx.update(model, model_state)

@@ -75,10 +75,10 @@ class TrainConfig:
       steps: optimizer steps.
       batch_size: sequences per step.
       learning_rate: peak AdamW learning rate (linear warm-up, then cosine decay to 10 %).
-      adam_b2: AdamW's second-moment decay. The default pair (5e-3, 0.95) is the one of ten
+      adam_b2: AdamW's second-moment decay. The default pair (5e-3, 0.95) is the one of twenty
         recipes that took every seed of the main job to 100 % by its step 200 on the H200; at
         (1e-2, 0.999), the previous default, seeds stall at about 90 % (one digit of ten
-        confused) or on the plateau, and 2e-2 does not learn (BENCHMARKS.md, "Main-job recipe").
+        confused) or on the plateau, and 2e-2 does not learn (`experiments/recipe_sweep.py`).
       lr_warmup_steps: steps of linear learning-rate warm-up.
       weight_decay: AdamW weight decay.
       grad_clip: global gradient-norm clip.
@@ -448,6 +448,15 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
+def check_run_arguments(*, log_every, stop_after, max_seconds) -> None:
+    """`run`'s loop arguments; ValueError names the one that is wrong."""
+    _check_int("log_every", log_every, 1)
+    if stop_after is not None:
+        _check_int("stop_after", stop_after, 0)
+    if max_seconds is not None and not (isinstance(max_seconds, int | float) and max_seconds > 0):
+        raise ValueError(f"max_seconds: expected a positive number or None, got {max_seconds!r}")
+
+
 class _Run:
     """The state of one `run` call: the model, its checkpoints and its records.
 
@@ -469,13 +478,13 @@ class _Run:
         self.result, self.evaluated_at = self._recorded_eval(self.start), self.start
         if self.result is None:
             self.evaluated_at = None
-            if self.start and self._scheduled("eval", self.start):
+            if self.start and self.scheduled("eval", self.start):
                 self.evaluate(self.start)
         self.bar = tqdm(
             total=cfg.steps, initial=self.start, disable=not progress, desc=run_dir.name
         )
 
-    def _scheduled(self, what: str, done: int, log_every: int = 0) -> bool:
+    def scheduled(self, what: str, done: int, log_every: int = 0) -> bool:
         every = {"eval": self.cfg.eval_every, "train": log_every}[what]
         return done % every == 0 or done == self.cfg.steps
 
@@ -511,21 +520,35 @@ class _Run:
         self.bar.set_postfix(loss=f"{record['task_loss']:.3f}", acc=f"{record['accuracy']:.2f}")
         self.unwritten = None
 
+    def saves_at(self, done: int, end: int, out_of_time: bool) -> bool:
+        return done % self.cfg.checkpoint_every == 0 or done == end or out_of_time
+
+    def uses_model(self, done: int, end: int, out_of_time: bool) -> bool:
+        """Whether `after_step(done, ...)` reads the model (an evaluation or a checkpoint)."""
+        return self.scheduled("eval", done) or self.saves_at(done, end, out_of_time)
+
+    def after_step(
+        self, done: int, metrics: dict | None, *, end: int, log_every: int, out_of_time: bool
+    ) -> None:
+        """The records, evaluation and checkpoint of step `done`, in that order. `metrics` (the
+        step's train metrics) is read only at a train record; a caller may pass None between."""
+        self.trained = done
+        if self.scheduled("train", done, log_every):
+            self.unwritten = metrics
+            self._write_train_record(done)
+        if self.scheduled("eval", done):
+            self.evaluate(done)
+        if self.saves_at(done, end, out_of_time):
+            rundir.save(self.manager, done, self.model, self.optimizer)
+        self.bar.update(1)
+
     def train(self, end: int, *, log_every: int, max_seconds: float | None) -> int:
         """Steps start..end−1 with their records and checkpoints; returns the steps done."""
         clock = time.perf_counter()
 
         def after_step(done: int, metrics: dict) -> bool:
-            self.trained = done
-            if self._scheduled("train", done, log_every):
-                self.unwritten = metrics
-                self._write_train_record(done)
-            if self._scheduled("eval", done):
-                self.evaluate(done)
             out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
-            if done % self.cfg.checkpoint_every == 0 or done == end or out_of_time:
-                rundir.save(self.manager, done, self.model, self.optimizer)
-            self.bar.update(1)
+            self.after_step(done, metrics, end=end, log_every=log_every, out_of_time=out_of_time)
             return out_of_time
 
         try:
@@ -533,14 +556,14 @@ class _Run:
                 self.model, self.optimizer, self.cfg, self.task, self.start, end, after_step
             )
         except KeyboardInterrupt:
-            self._save_interrupted()
+            self.save_interrupted()
             raise
         finally:
             self.bar.close()
         self.seconds = time.perf_counter() - clock
         return done
 
-    def _save_interrupted(self) -> None:
+    def save_interrupted(self) -> None:
         if self.trained == self.start:
             return
         if self.manager.latest_step() != self.trained:
@@ -572,6 +595,14 @@ class _Run:
             "stopped_early": step < self.cfg.steps,
             **result,
         }
+
+    def finish(self, step: int) -> dict:
+        """Writes summary.json and training.png of a run that ended at `step`; returns the
+        summary (`summary`)."""
+        summary = self.summary(step)
+        rundir.plot_run(self.metrics_path, self.run_dir / "training.png")
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
 
 
 def run(
@@ -609,11 +640,7 @@ def run(
       call continued from, 0 for a fresh run) and 'train_seconds' (the training time of this
       call alone: a resumed run counts only the steps it trained now).
     """
-    _check_int("log_every", log_every, 1)
-    if stop_after is not None:
-        _check_int("stop_after", stop_after, 0)
-    if max_seconds is not None and not (isinstance(max_seconds, int | float) and max_seconds > 0):
-        raise ValueError(f"max_seconds: expected a positive number or None, got {max_seconds!r}")
+    check_run_arguments(log_every=log_every, stop_after=stop_after, max_seconds=max_seconds)
     run_dir = Path(run_dir)
     held = rundir.prepare(run_dir, cfg.to_json(), resume)
     with rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints) as manager:
@@ -622,10 +649,7 @@ def run(
             print(f"nothing to resume in {run_dir} (no checkpoint yet): training from step 0")
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         step = state.train(end, log_every=log_every, max_seconds=max_seconds)
-    summary = state.summary(step)
-    rundir.plot_run(state.metrics_path, run_dir / "training.png")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    return state.finish(step)
 
 
 RunDirectoryError = rundir.RunDirectoryError
