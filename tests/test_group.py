@@ -2,6 +2,7 @@
 seed's run directory behaves as a single run's, and a group resumes exactly."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -184,7 +185,8 @@ def test_bad_groups_name_the_argument():
         train.run_seeds([], "unused")
     with pytest.raises(ValueError, match=r"cfgs: expected distinct seeds, got seeds \[1, 0, 1\]"):
         train.run_seeds(_group((1, 0, 1)), "unused")
-    with pytest.raises(ValueError, match=r"cfgs\[1\]\.learning_rate: expected 0\.01 .*got 0\.001"):
+    want = rf"cfgs\[1\]\.learning_rate: expected {re.escape(repr(CFG.learning_rate))} .*got 0\.001"
+    with pytest.raises(ValueError, match=want):
         train.check_group([CFG, CFG.replace(seed=1, learning_rate=1e-3)])
     with pytest.raises(ValueError, match=r"cfgs\[1\]\.task_overrides: expected"):
         train.check_group([CFG, CFG.replace(seed=1).with_task(seq_len=128)])
