@@ -111,7 +111,7 @@ def test_yarn_reaches_layers_with_compressed_kv_only():
 def test_a_yarn_model_decodes_what_it_prefills():
     """YaRN is one function of the position in prefill and decode: the last token's logits of
     a prefill equal those of decoding the sequence token by token (float32 storage: nothing
-    rounds), and differ from the same weights without YaRN."""
+    rounds)."""
     cfg = config.tiny().replace(
         yarn_original_len=64, yarn_factor=4.0, kv_format="f32", index_format="f32"
     )
@@ -123,9 +123,6 @@ def test_a_yarn_model_decodes_what_it_prefills():
     for t in range(12):
         step_logits, cache, _ = model.decode_step(m, tokens[:, t], cache)
     np.testing.assert_allclose(step_logits, logits[:, -1], atol=1e-4, rtol=0)
-    plain = model.Model(cfg.replace(yarn_original_len=0), rngs=nnx.Rngs(1))
-    plain_logits, _ = plain.run(tokens)
-    assert float(jnp.max(jnp.abs(plain_logits[:, -1] - logits[:, -1]))) > 1e-3
 
 
 @pytest.mark.parametrize(
