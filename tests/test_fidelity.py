@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import checkify
 
 from pallas_kernels.pooled_scoring import pooled_scores
 from pallas_kernels.pooled_scoring import supports as pooled_supports
@@ -21,11 +22,13 @@ from pallas_kernels.pooled_scoring.kernel_mgpu import TuningConfig
 from v41jax.nn import config as config_lib
 from v41jax.nn import dispatch, model
 from v41jax.ops import formats
+from v41jax.ops.invariants import check_selection
 from v41jax.ops.pool import (
     full_scan_topk,
     pool_mask_from_block_ids,
     pool_positions,
     pool_topk_from_scores,
+    pooled_topk,
     select_candidate_blocks,
 )
 from v41jax.ops.scoring import NEGINF_PICKS, TIE_ORDERS, index_scores, topk
@@ -209,7 +212,7 @@ def test_pool_slots_topk_equals_full_topk(tie_order, neginf_picks):
             -np.inf,
         )
         mask = np.asarray(pool_mask_from_block_ids(block_ids, 83, 8, lens))
-        for k in (5, 30):
+        for k in (0, 5, 30):
             got = pool_topk_jit(
                 slot_scores,
                 block_ids,
@@ -339,6 +342,12 @@ def test_pooled_kernel_honours_tie_order_and_neginf_picks(tie_order="newest", ne
     np.testing.assert_array_equal(got.indices, want.indices)
     outside = (np.asarray(want.indices) >= 0) & np.isneginf(np.asarray(want.scores))
     assert outside.any()
+    # With bf16 scores ('xla' only) the pooled definition still picks what the full scan picks.
+    bf16 = dict(score_dtype="bfloat16", **switches)
+    np.testing.assert_array_equal(
+        pooled_topk(k_packed, q, weights, ids, lengths, k, **bf16).indices,
+        full_scan_topk(k_packed, q, weights, ids, lengths, k, **bf16).indices,
+    )
     with pytest.raises(ValueError, match="score_dtype: expected 'float32'"):
         pooled_scores(
             k_packed,
@@ -454,8 +463,20 @@ def test_model_prefill_decode_and_chunks_agree(switches):
         assert outside.any()  # the switch reaches the Reindex layer
         lens = np.arange(1, seq + 1)
         assert (np.where(reindex >= 0, reindex, -1) < lens[None, :, None]).all()
-        _, _, debug_sel = model.prefill(m, tokens, jnp.full((batch,), seq), max_len=seq, debug=True)
-        np.testing.assert_array_equal(debug_sel.topk[2], trace[2].shared.topk)
+        # Debug mode's invariant accepts these picks under 'keep' and flags them under 'drop'.
+        lens = jnp.broadcast_to(jnp.asarray(lens), (batch, seq))
+        for rule, ok in (("keep", True), ("drop", False)):
+            error, _ = checkify.checkify(check_selection)(
+                2,
+                trace[2].shared.topk,
+                lens,
+                trace[1].shared.pool,
+                block_size=cfg.candidate_block_size,
+                restricted=True,
+                publishes_pool=False,
+                neginf_picks=rule,
+            )
+            assert (error.get() is None) == ok, (rule, error.get())
 
 
 def test_model_switches_change_selections():

@@ -397,8 +397,9 @@ def pool_topk_from_scores(
                 "lengths: expected the visible positions of each query with "
                 "neginf_picks='keep' (out-of-pool picks must be visible), got None"
             )
-        extra = _out_of_pool_positions(block_ids, lengths, k, block_size, tie_order)
-        picks = fill_picks(picks, extra, k)
+        if k:
+            extra = _out_of_pool_positions(block_ids, lengths, k, block_size, tie_order)
+            picks = fill_picks(picks, extra, k)
     return picks
 
 
