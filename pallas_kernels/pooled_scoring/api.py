@@ -11,8 +11,13 @@
 
 The gradient (w.r.t. q and weights) is always the definition's (`jax.vjp`), so training can call
 the kernel's forward. With `topk`, the pool's best positions are selected from the scores
-(`ops.pool.pool_topk_from_scores`, `ops.scoring.topk`'s tie rule) and their scores carry the
+(`ops.pool.pool_topk_from_scores`, `ops.scoring.topk`'s rules) and their scores carry the
 gradient.
+
+The numerics switches (`ops.scoring`): `tie_order` and `neginf_picks` act in the top-k after the
+scores, so every implementation honours them; `score_dtype='bfloat16'` rounds inside the score
+(between the head products and the head sum): 'xla' honours it, the kernel refuses it
+(`supports`).
 """
 
 from __future__ import annotations
@@ -31,14 +36,23 @@ from v41jax.ops.scoring import TopK
 
 
 def supports(
-    implementation: str, *, fmt: str, dim: int, block_size: int, n_heads: int
+    implementation: str,
+    *,
+    fmt: str,
+    dim: int,
+    block_size: int,
+    n_heads: int,
+    score_dtype: str = "float32",
 ) -> dispatch.Support:
     """Whether `implementation` takes pooled scoring of `n_heads` heads of `dim` over packed
-    `fmt` keys in blocks of `block_size` ('xla' takes everything; the kernel: `kernel_mgpu`)."""
+    `fmt` keys in blocks of `block_size`, scores in `score_dtype` ('xla' takes everything; the
+    kernel: `kernel_mgpu`). Tie order and −inf picks are honoured by every implementation."""
     dispatch.check_implementation(implementation)
     if implementation == "xla":
         return dispatch.Support("xla")
-    return kernel_mgpu.supports(fmt=fmt, dim=dim, block_size=block_size, n_heads=n_heads)
+    return kernel_mgpu.supports(
+        fmt=fmt, dim=dim, block_size=block_size, n_heads=n_heads, score_dtype=score_dtype
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +60,7 @@ class _Options:
     implementation: str
     block_size: int
     fmt: str
+    score_dtype: str
     config: kernel_mgpu.TuningConfig
 
 
@@ -60,6 +75,7 @@ def _forward(k_packed, q, weights, block_ids, lengths, options: _Options):
             lengths,
             block_size=options.block_size,
             fmt=options.fmt,
+            score_dtype=options.score_dtype,
         )
     pool.check_pooled_scores_args(
         k_packed, q, weights, block_ids, lengths, options.block_size, options.fmt
@@ -70,6 +86,7 @@ def _forward(k_packed, q, weights, block_ids, lengths, options: _Options):
         dim=q.shape[-1],
         block_size=options.block_size,
         n_heads=q.shape[1],
+        score_dtype=options.score_dtype,
     )
     if not supported:
         raise supported.error()
@@ -106,6 +123,7 @@ def _pooled_scores_bwd(options, residuals, cotangent):
             lengths,
             block_size=options.block_size,
             fmt=options.fmt,
+            score_dtype=options.score_dtype,
         )
 
     _, vjp = jax.vjp(definition, q, weights)
@@ -129,6 +147,9 @@ def pooled_scores(
     implementation: str = "xla",
     topk: int | None = None,
     config: kernel_mgpu.TuningConfig | None = None,
+    score_dtype: str = "float32",
+    tie_order: str = "oldest",
+    neginf_picks: str = "drop",
 ) -> Float[Array, "batch n_pool"] | TopK:
     """Scores of a query's candidate pool, optionally reduced to its top-k positions.
 
@@ -143,6 +164,10 @@ def pooled_scores(
       implementation: 'xla' | 'pallas' | 'pallas_interpret' (`pallas_kernels.dispatch`).
       topk: None for the scores; an int k for the k best positions.
       config: tuning of the kernel (default `kernel_mgpu.TuningConfig()`).
+      score_dtype: 'float32' | 'bfloat16' (`ops.scoring.index_scores`; the kernel: float32).
+      tie_order: 'oldest' | 'newest': which of equal scores the top-k keeps.
+      neginf_picks: 'drop' | 'keep': with 'keep' the top-k is completed with visible positions
+        outside the pool when the pool holds fewer than `topk` (`ops.pool.pool_topk_from_scores`).
 
     Returns:
       Without `topk`: [B, NB·block_size] float32 scores in block order (slot i·block_size + j is
@@ -152,8 +177,18 @@ def pooled_scores(
     dispatch.check_implementation(implementation)
     k_packed, q, weights = jnp.asarray(k_packed), jnp.asarray(q), jnp.asarray(weights)
     block_ids, lengths = jnp.asarray(block_ids), jnp.asarray(lengths)
-    options = _Options(implementation, block_size, fmt, config or kernel_mgpu.TuningConfig())
+    options = _Options(
+        implementation, block_size, fmt, score_dtype, config or kernel_mgpu.TuningConfig()
+    )
     scores = _pooled_scores(k_packed, q, weights, block_ids, lengths, options)
     if topk is None:
         return scores
-    return pool.pool_topk_from_scores(scores, block_ids, topk, block_size=block_size)
+    return pool.pool_topk_from_scores(
+        scores,
+        block_ids,
+        topk,
+        block_size=block_size,
+        lengths=jnp.minimum(lengths, k_packed.shape[1]),
+        tie_order=tie_order,
+        neginf_picks=neginf_picks,
+    )

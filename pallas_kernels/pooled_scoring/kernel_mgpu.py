@@ -69,12 +69,17 @@ _SIGN_BITS = np.uint32(0x80008000)
 _MAGNITUDE_BITS = np.uint32(0x0E000E00)
 
 
-def supports(*, fmt: str, dim: int, block_size: int, n_heads: int) -> Support:
+def supports(
+    *, fmt: str, dim: int, block_size: int, n_heads: int, score_dtype: str = "float32"
+) -> Support:
     """Whether the kernel takes pooled scoring of `n_heads` queries of `dim` over packed `fmt`
-    keys in blocks of `block_size`: MXFP4 rows of dim 128 (68 bytes), blocks of 8, at most 256
-    heads."""
+    keys in blocks of `block_size`, with `score_dtype` scores: MXFP4 rows of dim 128 (68 bytes),
+    blocks of 8, at most 256 heads, float32 scores (the bf16 roundings of
+    `ops.scoring.index_scores(score_dtype='bfloat16')` fall between the head products and the
+    head sum, inside the kernel: not implemented)."""
     return support(
         "the pooled-scoring Mosaic GPU kernel",
+        (score_dtype == "float32", "score_dtype", "'float32'", score_dtype),
         (fmt == "mxfp4", "fmt", "'mxfp4'", fmt),
         (dim == DIM, "dim", str(DIM), dim),
         (block_size == BLOCK_SIZE, "block_size", str(BLOCK_SIZE), block_size),

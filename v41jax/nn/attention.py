@@ -184,7 +184,7 @@ class Attention(nnx.Module):
             if scores is not None:
                 aux["scores"] = scores
             if plan.uses_candidates:
-                aux["unrestricted_topk"] = topk_indices(scores, c.index_topk)
+                aux["unrestricted_topk"] = topk_indices(scores, c.index_topk, tie_order=c.tie_order)
         return self._output(result.out, positions), shared, aux
 
     def _call_chunked(
@@ -215,6 +215,7 @@ class Attention(nnx.Module):
         kv, index_k, sink = shared.kv, shared.index_k, self.sink[...]
         n_kv, ratio = kv.shape[1], plan.compress_ratio
         scans = self.indexer is not None
+        score_dtype = c.index_score_dtype
         attends_all = dense or plan.topk_source is None
 
         def chunked(a, fill):  # [B, T, ...] -> [n_chunks, B, chunk, ...]
@@ -260,11 +261,15 @@ class Attention(nnx.Module):
             outs["out"] = result.out
             if indexer_loss and scans:
                 if dense:
-                    scores = index_scores(xs["index_q"], xs["index_w"], index_k, lens)
+                    scores = index_scores(
+                        xs["index_q"], xs["index_w"], index_k, lens, score_dtype=score_dtype
+                    )
                     keys = visible & real[..., None]
                 else:
                     rows_k = gather_rows(index_k, topk)
-                    scores = index_scores_at(xs["index_q"], xs["index_w"], rows_k, topk, lens)
+                    scores = index_scores_at(
+                        xs["index_q"], xs["index_w"], rows_k, topk, lens, score_dtype=score_dtype
+                    )
                     keys = (topk >= 0) & real[..., None]
                 outs["kl"], outs["kl_rows"] = indexer_kl(scores, result.probs, keys)
             return outs

@@ -14,6 +14,46 @@ Roles (`v41_architecture.md` §1):
   - REUSE:   everything else with a ratio > 0; takes the latest published top-k.
   - DENSE:   a KV source with no indexer that attends to every visible compressed entry
              (DeepSeek-V4's HCA layers; needed only to describe `v4_flash()`).
+
+Numerics (issue 13, DESIGN §3's last paragraph). An independent comparison with the official
+V4.1-Flash inference code on the same inputs found the quantizers bit-exact and the rest equal
+within bf16 rounding, except for the points below. Where the project's default differs, a field
+switches it; `ModelConfig.with_reference_numerics()` (and `v41_flash_reference()`) sets every
+switch the way the official code behaves. The defaults stay the project's rules: the studies
+run with them, and the switches exist for fidelity studies (`experiments/README.md`).
+
+1. Index-score precision: `index_score_dtype='bfloat16'`. The reference's indexer tensors are
+   bf16 (the MXFP4-quantized q and index keys, the head weights), so its einsum rounds each
+   head's q·k to bf16 (float32 accumulation inside the GEMM), its product with the head weight
+   rounds to bf16, and the sum over heads (float32 accumulation) rounds to bf16. The switch rounds
+   at exactly those places (`ops.scoring.index_scores`), so near-equal scores collide into ties
+   as in the reference. What remains different: the reference rounds weights_proj's output and
+   again its product with 1/sqrt(index_head_dim·index_n_heads), the project rounds the scaled
+   weights once (the same when that factor is a power of two: 1/64 in V4.1); float32
+   accumulation orders differ, so a score on a bf16 rounding boundary can land one ulp apart.
+   The pooled-scoring kernel computes float32 scores and refuses 'bfloat16' (its `supports`).
+2. −inf picks: `neginf_picks='keep'`. The reference invalidates only picks at or beyond
+   compress_lens, so a Reindex layer whose candidate pool holds fewer than index_topk visible
+   positions also attends to visible positions outside the pool (`v41_architecture.md` §3 step
+   11). 'keep' does the same and never picks an invisible position (that would be a causality
+   bug). The reference's decode has no invisible positions to rank; its prefill ranks them among
+   the −inf picks and then drops them, so how many out-of-pool picks its prefill keeps depends on
+   its tie order. Here both modes follow the decode rule (the k best visible positions,
+   out-of-pool ones after all in-pool ones), so prefill and decode agree. The pool's blocks are
+   chosen among reachable blocks only, in the reference as here.
+3. Tie order: not set by the helper. The reference selects with `torch.topk` (unsorted for the
+   positions), whose order among equal scores is implementation-defined: CPU and CUDA choose
+   differently (`v41_architecture.md` §3 step 11, the tt-metal README), and no deterministic rule
+   reproduces it. The project's default is 'oldest' (the lowest ids win: a stable top-k);
+   'newest' (the highest ids win) is the other natural rule. ReLU makes exact-zero scores common,
+   so a study sensitive to ties runs both and reports the spread.
+4. Known differences that stay (no switch): non-finite inputs. The reference's NVFP4 fake-quant
+   maps ±inf to ±2688 (the E4M3 scale saturates at 448, the value clamps at ±6) and its MXFP4
+   fake-quant turns a group holding NaN into zeros; the project makes such a group NaN
+   (`ops.formats`: a non-finite input must not silently become a number). An attention row with
+   no valid key and a −inf sink gives NaN in the reference and zeros here (DESIGN §3 step 4).
+   YaRN belongs to the model's description (its own fields, set by `v41_flash()`), and the
+   released model's FP8 projections on bf16 activations are not modelled (float32 here).
 """
 
 from __future__ import annotations
@@ -28,6 +68,7 @@ import numpy as np
 from v41jax.nn.rope import Yarn
 from v41jax.ops import formats
 from v41jax.ops.pool import BLOCK_REDUCERS
+from v41jax.ops.scoring import NEGINF_PICKS, SCORE_DTYPES, TIE_ORDERS
 
 
 class Role(enum.StrEnum):
@@ -119,6 +160,14 @@ class ModelConfig:
         attention hold O(chunk·S) at a time, and the published state keeps top-k and pool block
         ids only (no [T, S] pool mask). Values and gradients are those of the whole-sequence
         path; `debug` and `diagnostics` runs use the whole-sequence path.
+      index_score_dtype: 'float32' (default) or 'bfloat16': the index scores with the official
+        reference's bf16 roundings (`ops.scoring` module docstring), everywhere scores are made
+        (prefill, the chunked pass, decode, the pooled scoring).
+      tie_order: 'oldest' (default: among equal scores the lowest position or block id wins) or
+        'newest' (the highest), in every selection: the candidate pool's blocks and every top-k.
+      neginf_picks: 'drop' (default: a top-k pick scoring −inf becomes −1) or 'keep' (the
+        reference: a Reindex layer whose pool holds fewer than index_topk visible positions keeps
+        visible out-of-pool picks; invisible positions are never picked; `ops.scoring.topk`).
     """
 
     n_layers: int
@@ -154,6 +203,11 @@ class ModelConfig:
     yarn_beta_slow: float = 1.0
     norm_eps: float = 1e-6
     query_chunk: int = 0
+    # Numerics switches (issue 13); defaults are the project's rules, `with_reference_numerics`
+    # sets the official code's.
+    index_score_dtype: str = "float32"
+    tie_order: str = "oldest"
+    neginf_picks: str = "drop"
 
     def __post_init__(self):
         for name in (
@@ -173,6 +227,12 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def with_reference_numerics(self) -> ModelConfig:
+        """This config with the official inference code's selection numerics: bf16 index scores
+        and kept −inf picks; the tie order is left as it is (the reference's is unspecified).
+        Point by point, with the differences that remain: the module docstring, "Numerics"."""
+        return self.replace(index_score_dtype="bfloat16", neginf_picks="keep")
 
     @property
     def layers(self) -> tuple[LayerPlan, ...]:
@@ -225,6 +285,13 @@ def _validate(c: ModelConfig) -> None:
             _fail(name, "a positive int", value)
     if isinstance(c.query_chunk, bool) or not isinstance(c.query_chunk, int) or c.query_chunk < 0:
         _fail("query_chunk", "an int >= 0 (0: the whole sequence at once)", c.query_chunk)
+    for name, allowed in (
+        ("index_score_dtype", SCORE_DTYPES),
+        ("tie_order", TIE_ORDERS),
+        ("neginf_picks", NEGINF_PICKS),
+    ):
+        if not isinstance(getattr(c, name), str) or getattr(c, name) not in allowed:
+            _fail(name, f"one of {allowed}", getattr(c, name))
     for name in ("rope_theta", "compress_rope_theta", "norm_eps"):
         value = getattr(c, name)
         ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -432,6 +499,12 @@ def v41_flash() -> ModelConfig:
         yarn_beta_slow=1.0,
         norm_eps=1e-20,
     )
+
+
+def v41_flash_reference() -> ModelConfig:
+    """`v41_flash()` with the official inference code's selection numerics
+    (`ModelConfig.with_reference_numerics`; the module docstring, "Numerics")."""
+    return v41_flash().with_reference_numerics()
 
 
 def v4_flash() -> ModelConfig:

@@ -40,6 +40,7 @@ _SCORING_FIELDS = {
     "dim": "index_head_dim",
     "block_size": "candidate_block_size",
     "n_heads": "index_n_heads",
+    "score_dtype": "index_score_dtype",
 }
 
 
@@ -61,7 +62,9 @@ def check_kernel_config(config: ModelConfig, implementation: str) -> None:
     value, when `implementation` runs kernels on a config they cannot take.
 
     Layers with compressed KV attend with `fp4_sparse_attention`; Reindex layers inside the pool
-    select with `pooled_scores`. Each kernel's `supports` decides; 'xla' takes any config.
+    select with `pooled_scores`. Each kernel's `supports` decides; 'xla' takes any config. The
+    numerics switches concern the selection only: `tie_order` and `neginf_picks` every
+    implementation honours, `index_score_dtype` the pooled-scoring kernel's `supports` judges.
     """
     if implementation not in KERNEL_IMPLEMENTATIONS:
         return
@@ -78,6 +81,7 @@ def check_kernel_config(config: ModelConfig, implementation: str) -> None:
             dim=c.index_head_dim,
             block_size=c.candidate_block_size,
             n_heads=c.index_n_heads,
+            score_dtype=c.index_score_dtype,
         )
         limits += [(_SCORING_FIELDS[limit.argument], limit) for limit in support.limits]
     if limits:
@@ -131,7 +135,8 @@ def pooled_topk(
 ) -> TopK:
     """A Reindex layer's top-k inside the candidate pool at decode, reading only the pool's packed
     index keys (`ops.pool.pooled_topk` for 'xla'); the selection rules of `ops.scoring.topk`
-    (ties to the lowest position, −inf picks dropped, positions ≥ compress_lens invisible)."""
+    with the config's score dtype, tie order and −inf picks (positions ≥ compress_lens
+    invisible)."""
     return pooled_kernel.pooled_scores(
         index_k_packed,
         q,
@@ -142,4 +147,7 @@ def pooled_topk(
         fmt=config.index_format,
         implementation=implementation,
         topk=config.index_topk,
+        score_dtype=config.index_score_dtype,
+        tie_order=config.tie_order,
+        neginf_picks=config.neginf_picks,
     )

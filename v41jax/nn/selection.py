@@ -13,6 +13,9 @@ official code keeps it in a global runtime object instead.
   ids (no [T, S] pool mask).
 - `attended_indices`: the compressed entries a layer attends to: the latest published top-k, or
   every visible entry (dense attention, or after a dense KV source).
+
+The config's numerics switches (`index_score_dtype`, `tie_order`, `neginf_picks`) reach every
+score and selection made here, in each path alike (whole sequence, chunks, decode, kernels).
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ def select(
 
     With a kernel implementation (decode only: one query per sequence, T = 1), a Reindex layer
     inside the pool reads only the packed index keys of its pool's blocks
-    (`dispatch.pooled_topk`), which keeps `topk_indices`' rules (ties to the lowest position, −inf
-    picks dropped to −1, positions ≥ compress_lens invisible).
+    (`dispatch.pooled_topk`), which keeps `topk_indices`' rules (the config's tie order and −inf
+    picks, positions ≥ compress_lens invisible).
 
     Returns:
       (the state with this layer's top-k and pool published, the index scores [B, T, S]); the
@@ -106,16 +109,18 @@ def select(
         )
         topk, scores = picks.indices[:, None], None
     else:
-        scores = index_scores(q, weights, shared.index_k, compress_lens)
+        scores = index_scores(
+            q, weights, shared.index_k, compress_lens, score_dtype=config.index_score_dtype
+        )
         if plan.is_candidate_source:
-            pool = select_candidate_blocks(
-                scores,
-                compress_lens,
-                config.candidate_topk_blocks,
-                config.candidate_block_size,
-                reduce=config.block_score,
-            )
-        topk = topk_indices(scores, config.index_topk, pool.mask if plan.uses_candidates else None)
+            pool = candidate_pool(config, scores, compress_lens)
+        topk = topk_indices(
+            scores,
+            config.index_topk,
+            pool.mask if plan.uses_candidates else None,
+            tie_order=config.tie_order,
+            neginf_picks=config.neginf_picks,
+        )
     if debug:
         if scores is not None:
             check_scores(plan.layer, scores)
@@ -126,6 +131,7 @@ def select(
             pool,
             block_size=config.candidate_block_size,
             restricted=plan.uses_candidates,
+            neginf_picks=config.neginf_picks,
             publishes_pool=plan.is_candidate_source,
         )
     return shared.replace(topk=topk, pool=pool), scores
@@ -155,8 +161,8 @@ def select_chunk(
 ) -> ChunkSelection:
     """`select` of an index source for a chunk of queries, given its indexer queries and weights.
 
-    The same picks as `select` (`topk_indices`' rules: ties to the lowest position, −inf picks
-    dropped) in the compact form of long sequences: a Reindex layer inside the pool scores only
+    The same picks as `select` (`topk_indices`' rules with the config's switches) in the compact
+    form of long sequences: a Reindex layer inside the pool scores only
     the pool's positions (`index_scores_at` on gathered rows, `pool_topk_from_scores`), and the
     candidate source returns its pool's block ids, not a [C, S] mask.
     """
@@ -164,22 +170,40 @@ def select_chunk(
         block_size = config.candidate_block_size
         positions = pool_positions(pool_block_ids, block_size)
         rows = gather_rows(index_k, positions)
-        scores = index_scores_at(q, weights, rows, positions, compress_lens)
+        scores = index_scores_at(
+            q, weights, rows, positions, compress_lens, score_dtype=config.index_score_dtype
+        )
         picks = pool_topk_from_scores(
-            scores, pool_block_ids, config.index_topk, block_size=block_size
+            scores,
+            pool_block_ids,
+            config.index_topk,
+            block_size=block_size,
+            lengths=compress_lens,
+            tie_order=config.tie_order,
+            neginf_picks=config.neginf_picks,
         )
         return ChunkSelection(picks.indices, None)
-    scores = index_scores(q, weights, index_k, compress_lens)
+    scores = index_scores(q, weights, index_k, compress_lens, score_dtype=config.index_score_dtype)
     block_ids = None
     if plan.is_candidate_source:
-        block_ids = select_candidate_blocks(
-            scores,
-            compress_lens,
-            config.candidate_topk_blocks,
-            config.candidate_block_size,
-            reduce=config.block_score,
-        ).block_ids
-    return ChunkSelection(topk_indices(scores, config.index_topk), block_ids)
+        block_ids = candidate_pool(config, scores, compress_lens).block_ids
+    topk = topk_indices(scores, config.index_topk, tie_order=config.tie_order)
+    return ChunkSelection(topk, block_ids)
+
+
+def candidate_pool(
+    config: ModelConfig, scores: Float[Array, "*rows s"], compress_lens: Int[Array, "*rows"]
+) -> CandidatePool:
+    """The candidate pool of the candidate source's `scores` under `config` (block size, blocks
+    kept, block reducer, tie order): `ops.pool.select_candidate_blocks`."""
+    return select_candidate_blocks(
+        scores,
+        compress_lens,
+        config.candidate_topk_blocks,
+        config.candidate_block_size,
+        reduce=config.block_score,
+        tie_order=config.tie_order,
+    )
 
 
 def attended_indices(

@@ -25,6 +25,7 @@ def check_selection(
     block_size: int,
     restricted: bool,
     publishes_pool: bool,
+    neginf_picks: str = "drop",
 ) -> None:
     """Stages the selection invariants of one index-source layer (DESIGN §3).
 
@@ -32,7 +33,9 @@ def check_selection(
     - picks are distinct (ascending, then −1 padding);
     - when `publishes_pool`: the pool holds visible positions only, and the block holding the
       newest visible position is in it (pinned) whenever something is visible;
-    - when `restricted` (a Reindex layer after the candidate source): every pick is in the pool.
+    - when `restricted` (a Reindex layer after the candidate source): every pick is in the pool;
+      with `neginf_picks='keep'` a pick may lie outside it only once every pool position is
+      picked (`scoring.topk`).
     """
     valid = topk >= 0
     lens = compress_lens[..., None]
@@ -61,8 +64,15 @@ def check_selection(
             jnp.all(pinned), f"layer {layer}: the newest block is missing from the candidate pool"
         )
     if restricted:
-        in_pool = jnp.take_along_axis(mask, jnp.maximum(topk, 0), axis=-1) | ~valid
-        checkify.check(jnp.all(in_pool), f"layer {layer}: a Reindex pick lies outside the pool")
+        in_pool = jnp.take_along_axis(mask, jnp.maximum(topk, 0), axis=-1) & valid
+        ok = jnp.all(in_pool | ~valid, axis=-1)
+        if neginf_picks == "keep":
+            ok |= jnp.sum(in_pool, axis=-1) == jnp.sum(mask, axis=-1)
+        checkify.check(
+            jnp.all(ok),
+            f"layer {layer}: a Reindex pick lies outside the pool"
+            + (" while a pool position is left out" if neginf_picks == "keep" else ""),
+        )
 
 
 def check_scores(layer: int, scores: Float[Array, "*rows n_pos"]) -> None:

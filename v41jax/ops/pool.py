@@ -13,6 +13,11 @@ At decode a Reindex layer reads only the pool's packed index-key rows (DESIGN §
 `pooled_topk` its top-k, and `full_scan_topk` what the official reference does instead (score
 every position, mask outside the pool), which selects the same positions.
 
+The numerics switches of `scoring` reach every function here as keywords (defaults: the project's
+rules): `score_dtype` the scores, `tie_order` every selection (blocks and positions), and
+`neginf_picks` the position top-k inside a pool (a pool's blocks themselves are always chosen
+among reachable ones only, in the reference too).
+
 A new block reducer is one function `(scores, valid) -> block_scores` and one line in
 `BLOCK_REDUCERS` (`ModelConfig.block_score` and the CLI read their choices from it); or pass the
 function itself as `reduce=`.
@@ -38,11 +43,16 @@ from v41jax.ops.checks import (
     require_positive_int,
 )
 from v41jax.ops.scoring import (
+    NEGINF_PICKS,
+    TIE_ORDERS,
     TopK,
+    fill_picks,
     gather_rows,
     index_scores,
     index_scores_at,
     indices_to_mask,
+    require_option,
+    sorted_picks,
     topk,
     topk_indices,
 )
@@ -120,6 +130,8 @@ def select_candidate_blocks(
     topk_blocks: int,
     block_size: int,
     reduce: str | BlockReducer = "max",
+    *,
+    tie_order: str = "oldest",
 ) -> CandidatePool:
     """The candidate pool of DESIGN §3 step 3 (`v41_architecture.md` §4).
 
@@ -128,7 +140,8 @@ def select_candidate_blocks(
        a block without one scores −inf ("not reachable yet").
     3. Pin the block holding position compress_lens − 1 with +inf: it is only partly filled and
        could otherwise lose to an older full block. No pin when compress_lens = 0.
-    4. Keep the top `topk_blocks` blocks scoring > −inf (ties: lowest block id, as `scoring.topk`).
+    4. Keep the top `topk_blocks` blocks scoring > −inf (ties: `tie_order`, as `scoring.topk`:
+       the lowest block ids by default, the highest with 'newest').
     5. Expand to a mask of the kept blocks' visible positions.
 
     Positions ≥ compress_lens are treated as −inf whatever their score, so the pool never depends
@@ -142,6 +155,7 @@ def select_candidate_blocks(
         topk_blocks·block_size positions.
       block_size: positions per block (positive int; 8 in V4.1).
       reduce: a name in `BLOCK_REDUCERS` ('max' | 'mean') or a `BlockReducer`.
+      tie_order: 'oldest' | 'newest' (`scoring.TIE_ORDERS`): which of equal block scores win.
 
     Returns:
       `CandidatePool(mask [..., n_pos] bool, block_ids [..., topk_blocks] int32)`.
@@ -172,11 +186,11 @@ def select_candidate_blocks(
     newest = (lens - 1) // block_size
     pinned = (jnp.arange(n_blocks) == newest[..., None]) & (lens[..., None] > 0)
     # The pin must win: other blocks are capped below +inf (a +inf score would tie with the pin,
-    # and ties go to lower ids, i.e. older blocks).
+    # and a tie could go either way).
     block_scores = jnp.minimum(block_scores, jnp.finfo(jnp.float32).max)
     block_scores = jnp.where(pinned, jnp.inf, block_scores)
 
-    block_ids = topk_indices(block_scores, topk_blocks)
+    block_ids = topk_indices(block_scores, topk_blocks, tie_order=tie_order)
     mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lens)
     return CandidatePool(mask, block_ids)
 
@@ -273,6 +287,7 @@ def pooled_scores(
     *,
     block_size: int = 8,
     fmt: str = "mxfp4",
+    score_dtype: str = "float32",
 ) -> Float[Array, "batch n_pool"]:
     """Index scores of every slot of each query's candidate pool, in block order (DESIGN §6.1).
 
@@ -293,6 +308,7 @@ def pooled_scores(
       lengths: [B] int visible positions per query.
       block_size: positions per block (8 in V4.1).
       fmt: packed format of `k_packed` ('mxfp4' for the index keys).
+      score_dtype: 'float32' | 'bfloat16' (`scoring.index_scores`).
 
     Returns:
       [B, NB·block_size] float32: slot i·block_size + j scores position block_ids[b, i]·
@@ -303,7 +319,48 @@ def pooled_scores(
     check_pooled_scores_args(k_packed, q, weights, block_ids, lengths, block_size, fmt)
     pos = pool_positions(block_ids, block_size)
     k = formats.unpack(gather_rows(k_packed, pos), fmt, q.shape[-1])
-    return index_scores_at(q, weights, k, pos, jnp.minimum(lengths, k_packed.shape[1]))
+    lens = jnp.minimum(lengths, k_packed.shape[1])
+    return index_scores_at(q, weights, k, pos, lens, score_dtype=score_dtype)
+
+
+def _out_of_pool_positions(
+    block_ids: Int[Array, "*batch n_blocks"],
+    lengths: Int[ArrayLike, "*batch"],
+    n: int,
+    block_size: int,
+    tie_order: str,
+) -> Int[Array, "*batch n_candidates"]:
+    """Visible positions (< lengths) outside the pool's blocks, in `tie_order` (ascending from 0
+    for 'oldest', descending from lengths − 1 for 'newest'), −1 in holes and beyond: at least the
+    first n of them when that many exist. O(NB·log NB + n) per query, no scan of the positions.
+
+    In the tie order's direction, the j-th block id missing from the sorted distinct pool ids
+    b_0 < b_1 < … is j + #{i : b_i − i ≤ j}."""
+    block_ids = jnp.asarray(block_ids, jnp.int32)
+    lens = as_lengths("lengths", lengths, block_ids.shape[:-1])
+    n_visible = -(-lens // block_size)[..., None]
+    ids = block_ids if tie_order == "oldest" else n_visible - 1 - block_ids
+    big = jnp.iinfo(jnp.int32).max // 2
+    ids = jnp.sort(jnp.where((block_ids >= 0) & (block_ids < n_visible), ids, big), axis=-1)
+    repeated = jnp.concatenate(
+        [jnp.zeros_like(ids[..., :1], bool), ids[..., 1:] == ids[..., :-1]], axis=-1
+    )
+    ids = jnp.sort(jnp.where(repeated, big, ids), axis=-1)
+    gaps = jnp.where(ids < big, ids - jnp.arange(ids.shape[-1], dtype=jnp.int32), big)
+    wanted = jnp.arange(-(-n // block_size) + 1, dtype=jnp.int32)
+    count = jnp.vectorize(
+        lambda g: jnp.searchsorted(g, wanted, side="right"), signature="(m)->(j)"
+    )(gaps)
+    missing = wanted + count.astype(jnp.int32)
+    ok = missing < n_visible
+    blocks = missing if tie_order == "oldest" else n_visible - 1 - missing
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    if tie_order == "newest":
+        offsets = block_size - 1 - offsets
+    pos = blocks[..., None] * block_size + offsets
+    ok = ok[..., None] & (pos < lens[..., None, None])
+    pos = jnp.where(ok, pos, -1)
+    return pos.reshape(*pos.shape[:-2], pos.shape[-2] * block_size)
 
 
 def pool_topk_from_scores(
@@ -312,23 +369,38 @@ def pool_topk_from_scores(
     k: int,
     *,
     block_size: int = 8,
+    lengths: Int[ArrayLike, "*batch"] | None = None,
+    tie_order: str = "oldest",
+    neginf_picks: str = "drop",
 ) -> TopK:
-    """The k best pool slots as positions, sorted ascending, −1 padded (`scoring.topk`'s rule).
+    """The k best pool slots as positions, sorted ascending, −1 padded (`scoring.topk`'s rules).
 
-    Ties go to the lowest slot, which is the lowest position when `block_ids` is ascending (as
-    `CandidatePool` gives it). Returns `TopK(indices [..., k] int32 positions, scores [..., k])`.
+    The same picks as `scoring.topk(scores over every position, k, pool mask, ...)`:
+    - ties (`tie_order`) go to the lowest slot ('oldest') or the highest ('newest'), which is the
+      lowest (highest) position when `block_ids` is ascending (as `CandidatePool` gives it);
+    - with `neginf_picks='keep'`, when fewer than k slots score > −inf, the selection is completed
+      with visible positions (< `lengths`, required then) outside the pool's blocks, in the tie
+      order (the lowest positions first, or the highest), scores −inf: the reference's rule.
+
+    Returns `TopK(indices [..., k] int32 positions, scores [..., k])`.
     """
-    picks = topk(scores, k)
+    tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
+    picks = topk(scores, k, tie_order=tie_order)
     pos = pool_positions(block_ids, block_size)
     positions = jnp.take_along_axis(pos, jnp.maximum(picks.indices, 0), axis=-1)
     positions = jnp.where(picks.indices >= 0, positions, -1)
     # Unsorted block ids would leave the positions unsorted: sort them, dropped picks last.
-    big = jnp.iinfo(jnp.int32).max
-    keys, values = jnp.where(positions >= 0, positions, big), picks.scores
-    order = jnp.argsort(keys, axis=-1, stable=True)
-    keys = jnp.take_along_axis(keys, order, axis=-1)
-    values = jnp.take_along_axis(values, order, axis=-1)
-    return TopK(jnp.where(keys < big, keys, -1), values)
+    picks = sorted_picks(positions, picks.scores, positions >= 0)
+    if require_option("neginf_picks", neginf_picks, NEGINF_PICKS) == "keep":
+        if lengths is None:
+            raise ValueError(
+                "lengths: expected the visible positions of each query with "
+                "neginf_picks='keep' (out-of-pool picks must be visible), got None"
+            )
+        if k:
+            extra = _out_of_pool_positions(block_ids, lengths, k, block_size, tie_order)
+            picks = fill_picks(picks, extra, k)
+    return picks
 
 
 def pooled_topk(
@@ -341,13 +413,34 @@ def pooled_topk(
     *,
     block_size: int = 8,
     fmt: str = "mxfp4",
+    score_dtype: str = "float32",
+    tie_order: str = "oldest",
+    neginf_picks: str = "drop",
 ) -> TopK:
-    """Top-k positions of the pool: `pooled_scores`, then `pool_topk_from_scores`.
+    """Top-k positions of the pool: `pooled_scores`, then `pool_topk_from_scores` (the switches
+    `score_dtype`, `tie_order`, `neginf_picks` as there).
 
     Returns `TopK(indices [B, k] int32 positions ascending then −1, scores [B, k] float32)`.
     """
-    scores = pooled_scores(k_packed, q, weights, block_ids, lengths, block_size=block_size, fmt=fmt)
-    return pool_topk_from_scores(scores, block_ids, k, block_size=block_size)
+    scores = pooled_scores(
+        k_packed,
+        q,
+        weights,
+        block_ids,
+        lengths,
+        block_size=block_size,
+        fmt=fmt,
+        score_dtype=score_dtype,
+    )
+    return pool_topk_from_scores(
+        scores,
+        block_ids,
+        k,
+        block_size=block_size,
+        lengths=jnp.minimum(jnp.asarray(lengths), jnp.shape(k_packed)[1]),
+        tie_order=tie_order,
+        neginf_picks=neginf_picks,
+    )
 
 
 def full_scan_topk(
@@ -360,9 +453,13 @@ def full_scan_topk(
     *,
     block_size: int = 8,
     fmt: str = "mxfp4",
+    score_dtype: str = "float32",
+    tie_order: str = "oldest",
+    neginf_picks: str = "drop",
 ) -> TopK:
     """What the official reference does instead of `pooled_topk`: unpack all S rows, score every
-    position, mask outside the pool, top-k over all S. Selects the same positions.
+    position, mask outside the pool, top-k over all S. Selects the same positions (with the
+    same switches).
 
     Returns `TopK(indices [B, k] int32 positions ascending then −1, scores [B, k] float32)`.
     """
@@ -371,6 +468,8 @@ def full_scan_topk(
     check_pooled_scores_args(k_packed, q, weights, block_ids, lengths, block_size, fmt)
     n_pos = k_packed.shape[1]
     keys = formats.unpack(k_packed, fmt, q.shape[-1])
-    scores = index_scores(q[:, None], weights[:, None], keys, lengths[:, None])[:, 0]
+    scores = index_scores(
+        q[:, None], weights[:, None], keys, lengths[:, None], score_dtype=score_dtype
+    )[:, 0]
     mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lengths)
-    return topk(scores, k, mask)
+    return topk(scores, k, mask, tie_order=tie_order, neginf_picks=neginf_picks)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from v41jax.nn.config import ModelConfig
 from v41jax.nn.model import Model, indexer_kls
-from v41jax.ops.pool import select_candidate_blocks
+from v41jax.nn.selection import candidate_pool
 from v41jax.ops.scoring import topk_indices
 from v41jax.train import diagnostics
 
@@ -36,13 +36,7 @@ def distance_edges(config: ModelConfig) -> tuple[int, ...]:
 
 
 def _pool(config: ModelConfig, scores, lens) -> jax.Array:
-    return select_candidate_blocks(
-        scores,
-        lens,
-        config.candidate_topk_blocks,
-        config.candidate_block_size,
-        reduce=config.block_score,
-    ).mask
+    return candidate_pool(config, scores, lens).mask
 
 
 @nnx.jit(static_argnames=("dense",))
@@ -101,7 +95,9 @@ def _eval_batch(model: Model, tokens, targets, loss_mask, evidence, key, *, dens
         # Within-pool recall against the layer's own dense attention: the top-k of A that the
         # selection keeps. (Against its unrestricted top-k it would equal the pool recall: a
         # top-k inside the pool keeps exactly the unrestricted picks that lie in the pool.)
-        oracle_topk = topk_indices(jnp.where(visible, dense_probs, -jnp.inf), c.index_topk)
+        oracle_topk = topk_indices(
+            jnp.where(visible, dense_probs, -jnp.inf), c.index_topk, tie_order=c.tie_order
+        )
         within = diagnostics.within_pool_recall(selected, oracle_topk, beyond)
         out[f"{name}/within_pool_recall"] = (within.value * within.count, within.count)
         covered = diagnostics.attention_mass_covered(dense_probs, selected)
