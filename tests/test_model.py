@@ -278,7 +278,8 @@ def test_roles_publish_and_reuse_selections(tiny_model):
     restricted)."""
     cfg = tiny_model.config
     tokens = _tokens(cfg, 2, 90, seed=7)
-    _, trace = tiny_model.run(tokens)
+    run = nnx.jit(lambda m, t: m.run(t))  # one compile per model, not op-by-op dispatch
+    _, trace = run(tiny_model, tokens)
     for plan, step in zip(cfg.layers, trace, strict=True):
         shared = step.shared
         if plan.role is Role.REUSE:
@@ -291,7 +292,7 @@ def test_roles_publish_and_reuse_selections(tiny_model):
 
     # Same weights (same seed, same module structure), a pool of 2 blocks instead of 8.
     narrow = _model(cfg.replace(candidate_topk_blocks=2))
-    _, narrow_trace = narrow.run(tokens)
+    _, narrow_trace = run(narrow, tokens)
     cand = cfg.candidate_source_layer
     np.testing.assert_array_equal(trace[cand].shared.topk, narrow_trace[cand].shared.topk)
     reindex = [p.layer for p in cfg.layers if p.uses_candidates]

@@ -159,7 +159,8 @@ def gather_rows(
     batch, n_rows, dim = x.shape[0], x.shape[1], x.shape[2:]
     if n_rows == 0:
         return jnp.zeros((*positions.shape, *dim), x.dtype)
-    flat = jnp.clip(positions, 0, n_rows - 1).reshape(batch, -1)
+    # An explicit width, not -1: an empty batch cannot infer it.
+    flat = jnp.clip(positions, 0, n_rows - 1).reshape(batch, math.prod(positions.shape[1:]))
     rows = x[jnp.arange(batch)[:, None], flat]
     return rows.reshape(*positions.shape, *dim)
 
