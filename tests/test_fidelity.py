@@ -19,6 +19,7 @@ from jax.experimental import checkify
 from pallas_kernels.pooled_scoring import pooled_scores
 from pallas_kernels.pooled_scoring import supports as pooled_supports
 from pallas_kernels.pooled_scoring.kernel_mgpu import TuningConfig
+from tests._models import four_layer_f32
 from v41jax.nn import config as config_lib
 from v41jax.nn import dispatch, model
 from v41jax.ops import formats
@@ -364,24 +365,9 @@ def test_pooled_kernel_honours_tie_order_and_neginf_picks(tie_order="newest", ne
 
 
 def _model_config(**switches):
-    """Four layers, every selecting role: Full (ratio 2); Full (ratio 1) and candidate source
-    with a pool of one block of 4, fewer than index_topk = 6 (so 'keep' bites); Reindex; Reuse.
-    Float32 storage formats: nothing rounds but the switches."""
-    return config_lib.tiny().replace(
-        n_layers=4,
-        compress_ratios=(2, 1, 1, 1),
-        kv_source_layers=(0, 1),
-        index_source_layers=(0, 1, 2),
-        candidate_source_layer=1,
-        kv_format="f32",
-        index_format="f32",
-        window_format="f32",
-        candidate_block_size=4,
-        candidate_topk_blocks=1,
-        index_topk=6,
-        window_size=8,
-        **switches,
-    )
+    """`four_layer_f32` with a pool of one block of 4, fewer than index_topk = 6 (so 'keep'
+    bites): nothing rounds but the switches."""
+    return four_layer_f32(candidate_topk_blocks=1, **switches)
 
 
 MODEL_SWITCHES = [

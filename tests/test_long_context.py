@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
+from tests._models import four_layer_f32
 from v41jax.nn import config as config_lib
 from v41jax.nn.model import Model, indexer_kls
 from v41jax.ops.attention import chunk_attention, masked_attention, sliding_window_rows
@@ -17,25 +18,10 @@ from v41jax.train.trainer import loss_fn
 
 
 def _config(**changes):
-    """Every chunked role in four layers: Full at ratio 2; Full at ratio 1 and candidate source
-    (2 blocks of 4, so the pool bites from 8 positions on); Reindex; Reuse. Float32 storage
-    formats: the fake-quant is per-sequence work that both paths share, and a value on a
-    rounding boundary would turn a 1e-7 difference of summation order into a whole step."""
-    return config_lib.tiny().replace(
-        n_layers=4,
-        compress_ratios=(2, 1, 1, 1),
-        kv_source_layers=(0, 1),
-        index_source_layers=(0, 1, 2),
-        candidate_source_layer=1,
-        kv_format="f32",
-        index_format="f32",
-        window_format="f32",
-        candidate_block_size=4,
-        candidate_topk_blocks=2,
-        index_topk=6,
-        window_size=8,
-        **changes,
-    )
+    """`four_layer_f32`: the pool (2 blocks of 4) bites from 8 positions on. Float32 storage:
+    the fake-quant is per-sequence work that both paths share, and a value on a rounding
+    boundary would turn a 1e-7 difference of summation order into a whole step."""
+    return four_layer_f32(**changes)
 
 
 def _batch(seed, batch, seq, vocab):
