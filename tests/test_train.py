@@ -144,6 +144,41 @@ def test_run_directory_is_never_overwritten(tmp_path):
     assert snapshot.keys() == damaged.keys()
 
 
+def _params(model) -> dict:
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def test_init_from_starts_a_stage_from_the_weights_of_another_run(tmp_path):
+    short = SMOKE.replace(steps=3, seed=5)
+    train.run(short, tmp_path / "short" / "seed5", progress=False)
+    _, trained = train.load(tmp_path / "short" / "seed5")
+    # The next stage: a longer task, fresh optimizer; {seed} names the seed's own first stage.
+    longer = short.replace(init_from=str(tmp_path / "short" / "seed{seed}")).with_task(seq_len=96)
+    model, _ = train.build(longer)
+    fresh = _params(model)
+    assert train.initialize_from(model, longer) == tmp_path / "short" / "seed5"
+    start = _params(model)
+    assert start.keys() == _params(trained).keys()
+    for path, value in _params(trained).items():
+        np.testing.assert_array_equal(start[path], value)
+    assert any(not np.array_equal(fresh[p], start[p]) for p in start)
+    result = train.run(longer, tmp_path / "long", progress=False, stop_after=1)
+    cfg, _ = train.load(tmp_path / "long")
+    assert cfg.init_from == longer.init_from and result["step"] == 1
+    # A resumed stage continues from its own checkpoint, not from init_from again.
+    train.run(longer, tmp_path / "long", progress=False, resume=True)
+    _, done = train.load(tmp_path / "long")
+    assert any(not np.array_equal(start[p], v) for p, v in _params(done).items())
+    # Another model shape: refused, naming the parameter; no run there: refused.
+    wider = longer.with_model(ffn_dim=64)
+    with pytest.raises(ValueError, match=r"init_from: parameter .* expected float32\[.*64"):
+        train.initialize_from(train.build(wider)[0], wider)
+    with pytest.raises(train.RunDirectoryError, match="expected a run directory"):
+        train.initialize_from(model, longer.replace(init_from=str(tmp_path / "none")))
+    with pytest.raises(ValueError, match=r"TrainConfig\.init_from: expected"):
+        SMOKE.replace(init_from=3)
+
+
 def test_ctrl_c_saves_a_checkpoint(tmp_path, monkeypatch):
     real_step = train.StepRunner.__call__
     calls = []

@@ -81,6 +81,7 @@ def _train(args: argparse.Namespace) -> int:
             seed=args.seed,
             dense_warmup_steps=args.dense_warmup_steps,
             checkpoint_every=args.checkpoint_every,
+            init_from=args.init_from,
             model_changes=model,
             task_changes=dict(args.task_set),
         )
@@ -354,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
         "runs/<preset>-<task>-<attention>-seeds<A-B> holding seed<N>/ for each seed)",
     )
     train_parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    train_parser.add_argument(
+        "--init-from",
+        metavar="RUN_DIR",
+        help="start from the weights of this run's latest checkpoint (same preset), with a "
+        "fresh optimizer: a curriculum's next stage or a fine-tune; {seed} is replaced by the "
+        "seed, e.g. runs/short/seed{seed} with --seeds",
+    )
     train_parser.add_argument(
         "--checkpoint-every",
         type=int,

@@ -91,6 +91,12 @@ class TrainConfig:
       eval_batches: batches per evaluation (drawn from a seed disjoint from training's).
       checkpoint_every: steps between checkpoints (and at the end).
       keep_checkpoints: checkpoints kept on disk.
+      init_from: '' (a fresh initialization from `seed`) or a run directory whose latest
+        checkpoint's model weights start this run, with a fresh optimizer and schedule: a stage
+        of a curriculum (the same model on a shorter task first) or a fine-tune. `{seed}` in it
+        is replaced by the run's seed (`runs/stage1/seed{seed}` for the seeds of a group). The
+        model must have the same parameters (shapes and dtypes); the task, the steps and
+        the model's non-parameter fields (`query_chunk`, formats) may differ.
     """
 
     preset: str = "tiny"
@@ -112,6 +118,7 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
+    init_from: str = ""
 
     def __post_init__(self):
         for name in ("model_overrides", "task_overrides"):
@@ -124,6 +131,11 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainConfig.{name}: expected an int >= 0, got {value!r}")
+        if not isinstance(self.init_from, str):
+            raise ValueError(
+                "TrainConfig.init_from: expected a run directory (str) or '', "
+                f"got {self.init_from!r}"
+            )
         b2 = self.adam_b2
         if isinstance(b2, bool) or not (isinstance(b2, int | float) and 0.0 <= b2 < 1.0):
             raise ValueError(
@@ -430,9 +442,40 @@ def train_steps(
 
 
 def build(cfg: TrainConfig) -> tuple[Model, nnx.Optimizer]:
-    """A freshly initialized model (from `cfg.seed`) and its optimizer."""
+    """A freshly initialized model (from `cfg.seed`) and its optimizer; `cfg.init_from` is
+    applied by `initialize_from`, not here."""
     model = Model(cfg.model_config(), rngs=nnx.Rngs(cfg.seed))
     return model, make_optimizer(model, cfg)
+
+
+def initialize_from(model: Model, cfg: TrainConfig) -> Path | None:
+    """Copies the weights of `cfg.init_from`'s latest checkpoint into `model` (nothing when it
+    is ''); returns the run directory read, or None.
+
+    Raises `RunDirectoryError` when there is no run there, and ValueError naming the first
+    parameter whose shape or dtype differs from `model`'s."""
+    if not cfg.init_from:
+        return None
+    source_dir = Path(cfg.init_from.format(seed=cfg.seed))
+    _, source = load(source_dir)
+    ours = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    theirs = dict(nnx.to_flat_state(nnx.state(source, nnx.Param)))
+    if set(theirs) != set(ours.paths):
+        missing = sorted(set(ours.paths) ^ set(theirs), key=str)[:3]
+        raise ValueError(
+            f"TrainConfig.init_from: the model of {source_dir} has other parameters than this "
+            f"run's (first differences: {missing}); expected the same preset and shape fields"
+        )
+    for path, variable in ours:
+        want, got = variable.get_value(), theirs[path].get_value()
+        if (want.shape, want.dtype) != (got.shape, got.dtype):
+            raise ValueError(
+                f"TrainConfig.init_from: parameter {'/'.join(map(str, path))} of {source_dir} "
+                f"is {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)} "
+                "(this run's model)"
+            )
+    nnx.update(model, nnx.state(source, nnx.Param))
+    return source_dir
 
 
 def metrics_to_json(metrics: dict) -> dict:
@@ -473,6 +516,8 @@ class _Run:
         self.start = self.trained = manager.latest_step() or 0  # updates the model holds
         if self.start:
             rundir.restore(manager, self.start, self.model, self.optimizer)
+        else:
+            initialize_from(self.model, cfg)
         rundir.truncate_metrics(self.metrics_path, self.start)
         self.unwritten = None  # the train metrics of the latest step, until recorded
         self.result, self.evaluated_at = self._recorded_eval(self.start), self.start

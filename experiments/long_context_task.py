@@ -1,0 +1,168 @@
+"""Long-context retrieval where the pool must find the evidence: `small()` on scattered MQAR at
+4 K tokens, the candidate pool 1/16 of the compressed positions (issue 12, target 5).
+
+The recipe is a curriculum of two stages, each a `train.run` in its own run directory:
+
+  1. short: the same task at 512 tokens (pool 256 of 512 positions), dense attention with the
+     indexer KL loss, at each learning rate of `--short-lrs`: cheap steps in which the model
+     learns the retrieval circuit and the indexers learn to point at it;
+  2. long:  4 K tokens (pool 256 of 4,096: 1/16), started from the weights of the short run with
+     the best final accuracy (`TrainConfig.init_from`), a dense warm-up, then sparse training
+     with the candidate pool and Reindex top-k exactly as at inference.
+
+Every stage is defined by its steps; `--max-minutes` is a guard for one call on a lent machine:
+running the same command again resumes each stage where the guard stopped it and re-evaluates
+finished ones. The report (JSON) is rewritten after every stage, labelled partial until the
+last stage has all its steps. It holds each stage's config, summary (accuracy with the pool and
+dense, accuracy by distance bucket, pool recall against random / recent / oracle blocks) and
+its metrics history.
+
+    PYTHONPATH=. python3 experiments/long_context_task.py --out long_context_task_h200.json
+    PYTHONPATH=. python3 experiments/long_context_task.py --smoke --out /tmp/lct.json  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from experiments import _common
+from v41jax import train
+from v41jax.train import evaluate
+
+EXPERIMENT = "long_context_task"
+
+TASK = dict(
+    n_pairs=32,
+    n_queries=16,
+    key_ids=(4, 132),
+    value_ids=(132, 260),
+    filler_ids=(260, 512),
+    vocab_size=512,
+)
+SHORT = dict(seq_len=512, batch_size=64, steps=500, lr_warmup_steps=30)
+LONG = dict(seq_len=4096, batch_size=8, steps=600, dense_warmup_steps=100, query_chunk=2048)
+
+# --smoke: every stage of the plan in seconds on a CPU, on tiny() (it trains nothing).
+SMOKE_TASK = dict(n_pairs=4, n_queries=2, key_ids=(4, 68), value_ids=(68, 132),
+                  filler_ids=(132, 256), vocab_size=256)  # fmt: skip
+SMOKE_SHORT = dict(seq_len=64, batch_size=2, steps=2, lr_warmup_steps=1)
+SMOKE_LONG = dict(seq_len=128, batch_size=2, steps=3, dense_warmup_steps=1, query_chunk=64)
+
+
+def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
+    """The short stage's configs (one per learning rate) and the long stage's fields (its
+    `init_from` is set once the short stage has chosen)."""
+    task, short, long = (SMOKE_TASK, SMOKE_SHORT, SMOKE_LONG) if args.smoke else (TASK, SHORT, LONG)
+    preset = "tiny" if args.smoke else args.preset
+    evals = dict(eval_every=1, eval_batches=1, checkpoint_every=1) if args.smoke else {}
+    base = train.make_config(
+        preset=preset,
+        task="mqar",
+        seed=args.seed,
+        task_changes=dict(task, seq_len=short["seq_len"]),
+        batch_size=short["batch_size"],
+        steps=short["steps"],
+        lr_warmup_steps=short["lr_warmup_steps"],
+        attention="dense",
+        eval_every=evals.get("eval_every", 100),
+        eval_batches=evals.get("eval_batches", 4),
+        checkpoint_every=evals.get("checkpoint_every", 100),
+    )
+    shorts = [base.replace(learning_rate=lr) for lr in args.short_lrs]
+    long_fields = dict(
+        task_changes=dict(task, seq_len=long["seq_len"]),
+        model_changes={"query_chunk": long["query_chunk"]},
+        batch_size=long["batch_size"],
+        steps=long["steps"],
+        attention="sparse",
+        dense_warmup_steps=long["dense_warmup_steps"],
+        learning_rate=args.long_lr,
+    )
+    return shorts, long_fields
+
+
+def _stage_record(name: str, cfg: train.TrainConfig, run_dir: Path, result: dict) -> dict:
+    return {
+        "stage": name,
+        "run_dir": str(run_dir),
+        "train_config": cfg.to_json(),
+        "done": result["step"] == cfg.steps,
+        "summary": result,
+        "history": train.read_metrics(run_dir / "metrics.jsonl"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the report (JSON)")
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs") / EXPERIMENT)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--short-lrs", type=float, nargs="+", default=[2e-3, 5e-3])
+    parser.add_argument("--long-lr", type=float, default=1e-3)
+    parser.add_argument("--max-minutes", type=float, default=None, help="a guard for this call")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    began = time.perf_counter()
+
+    def left() -> float | None:
+        if args.max_minutes is None:
+            return None
+        return 60 * args.max_minutes - (time.perf_counter() - began)
+
+    shorts, long_fields = plan(args)
+    report = {
+        "experiment": EXPERIMENT,
+        "argv": list(sys.argv if argv is None else argv),
+        "smoke": args.smoke,
+        "distance_edges": None,
+        "partial": True,
+        "stages": [],
+        **_common.environment(),
+    }
+
+    def write() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+
+    def run_stage(name: str, cfg: train.TrainConfig, run_dir: Path) -> dict | None:
+        budget = left()
+        if budget is not None and budget < 30:
+            print(f"{name}: not started, the guard has {budget:.0f} s left", flush=True)
+            return None
+        result = train.run(cfg, run_dir, resume=True, progress=False, max_seconds=budget)
+        print(train.summarize(cfg, run_dir, result), flush=True)
+        record = _stage_record(name, cfg, run_dir, result)
+        report["stages"].append(record)
+        write()
+        return record
+
+    records = []
+    for cfg in shorts:
+        lr = f"{cfg.learning_rate:g}"
+        record = run_stage(f"short lr={lr}", cfg, args.runs_dir / f"short-lr{lr}")
+        if record is None:
+            return 0
+        records.append(record)
+    if not all(r["done"] for r in records):
+        print("the short stage is not finished: run the same command again", flush=True)
+        return 0
+    best = max(records, key=lambda r: r["summary"]["accuracy"])
+    best_cfg = train.TrainConfig.from_json(best["train_config"])
+    long_cfg = train.make_config(best_cfg, init_from=best["run_dir"], **long_fields)
+    report["chosen_short"] = {"run_dir": best["run_dir"], "learning_rate": best_cfg.learning_rate}
+    report["distance_edges"] = list(evaluate.distance_edges(long_cfg.model_config()))
+    record = run_stage("long", long_cfg, args.runs_dir / "long")
+    if record is None:
+        return 0
+    report["partial"] = not record["done"]
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
