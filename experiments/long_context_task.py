@@ -35,20 +35,37 @@ from v41jax.train import evaluate
 
 EXPERIMENT = "long_context_task"
 
-TASK = dict(
-    n_pairs=32,
-    n_queries=16,
-    key_ids=(4, 132),
-    value_ids=(132, 260),
-    filler_ids=(260, 512),
-    vocab_size=512,
-)
-SHORT = dict(seq_len=512, batch_size=64, steps=500, lr_warmup_steps=30)
-LONG = dict(seq_len=4096, batch_size=8, steps=600, dense_warmup_steps=100, query_chunk=2048)
+# The task's fields at small()'s 512-token vocabulary. multi_passkey: 16 needles, each a fixed
+# marker and a digit from the marker's own 16 ids (chance 1/16), 16 scored lookups per sequence.
+# mqar: 32 key-value pairs with arbitrary keys, 16 queried (an induction circuit to learn).
+TASKS = {
+    "multi_passkey": dict(
+        n_needles=16,
+        digits_per_needle=16,
+        marker_ids=(4, 20),
+        digit_ids=(20, 276),
+        filler_ids=(276, 512),
+        vocab_size=512,
+    ),
+    "mqar": dict(
+        n_pairs=32,
+        n_queries=16,
+        key_ids=(4, 132),
+        value_ids=(132, 260),
+        filler_ids=(260, 512),
+        vocab_size=512,
+    ),
+}
+SHORT = dict(seq_len=512, batch_size=64, steps=300, lr_warmup_steps=30)
+LONG = dict(seq_len=4096, batch_size=8, steps=500, dense_warmup_steps=100, query_chunk=2048)
 
 # --smoke: every stage of the plan in seconds on a CPU, on tiny() (it trains nothing).
-SMOKE_TASK = dict(n_pairs=4, n_queries=2, key_ids=(4, 68), value_ids=(68, 132),
-                  filler_ids=(132, 256), vocab_size=256)  # fmt: skip
+SMOKE_TASKS = {
+    "multi_passkey": dict(n_needles=4, digits_per_needle=4, marker_ids=(4, 8),
+                          digit_ids=(8, 24), filler_ids=(132, 256), vocab_size=256),
+    "mqar": dict(n_pairs=4, n_queries=2, key_ids=(4, 68), value_ids=(68, 132),
+                 filler_ids=(132, 256), vocab_size=256),
+}  # fmt: skip
 SMOKE_SHORT = dict(seq_len=64, batch_size=2, steps=2, lr_warmup_steps=1)
 SMOKE_LONG = dict(seq_len=128, batch_size=2, steps=3, dense_warmup_steps=1, query_chunk=64)
 
@@ -56,12 +73,15 @@ SMOKE_LONG = dict(seq_len=128, batch_size=2, steps=3, dense_warmup_steps=1, quer
 def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
     """The short stage's configs (one per learning rate) and the long stage's fields (its
     `init_from` is set once the short stage has chosen)."""
-    task, short, long = (SMOKE_TASK, SMOKE_SHORT, SMOKE_LONG) if args.smoke else (TASK, SHORT, LONG)
+    tasks, short, long = (
+        (SMOKE_TASKS, SMOKE_SHORT, SMOKE_LONG) if args.smoke else (TASKS, SHORT, LONG)
+    )
+    task = tasks[args.task]
     preset = "tiny" if args.smoke else args.preset
     evals = dict(eval_every=1, eval_batches=1, checkpoint_every=1) if args.smoke else {}
     base = train.make_config(
         preset=preset,
-        task="mqar",
+        task=args.task,
         seed=args.seed,
         task_changes=dict(task, seq_len=short["seq_len"]),
         batch_size=short["batch_size"],
@@ -81,6 +101,7 @@ def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
         attention="sparse",
         dense_warmup_steps=long["dense_warmup_steps"],
         learning_rate=args.long_lr,
+        eval_batches=1 if args.smoke else 8,
     )
     return shorts, long_fields
 
@@ -99,14 +120,16 @@ def _stage_record(name: str, cfg: train.TrainConfig, run_dir: Path, result: dict
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the report (JSON)")
-    parser.add_argument("--runs-dir", type=Path, default=Path("runs") / EXPERIMENT)
+    parser.add_argument("--runs-dir", type=Path, help="default runs/long_context_task/<task>")
     parser.add_argument("--preset", default="small")
+    parser.add_argument("--task", choices=sorted(TASKS), default="multi_passkey")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--short-lrs", type=float, nargs="+", default=[2e-3, 5e-3])
     parser.add_argument("--long-lr", type=float, default=1e-3)
     parser.add_argument("--max-minutes", type=float, default=None, help="a guard for this call")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
+    args.runs_dir = args.runs_dir or Path("runs") / EXPERIMENT / args.task
     began = time.perf_counter()
 
     def left() -> float | None:
