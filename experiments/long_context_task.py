@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short-lrs", type=float, nargs="+", default=[2e-3, 5e-3])
     parser.add_argument("--long-lr", type=float, default=1e-3)
     parser.add_argument("--max-minutes", type=float, default=None, help="a guard for this call")
+    parser.add_argument(
+        "--short-only", action="store_true", help="the short stage alone (a learning-rate probe)"
+    )
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     args.runs_dir = args.runs_dir or Path("runs") / EXPERIMENT / args.task
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         if record is None:
             return 0
         records.append(record)
+    if args.short_only:
+        return 0
     if not all(r["done"] for r in records):
         print("the short stage is not finished: run the same command again", flush=True)
         return 0

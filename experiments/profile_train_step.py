@@ -29,6 +29,7 @@ from flax import nnx
 from experiments import _common
 from pallas_kernels import timing
 from v41jax import train
+from v41jax.cli import name_value
 
 
 def _batches(cfg: train.TrainConfig, n: int) -> list[tuple[jax.Array, ...]]:
@@ -108,15 +109,27 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the first")
+    parser.add_argument(
+        "--model-set",
+        type=name_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a ModelConfig field of the preset, e.g. query_chunk=2048",
+    )
+    parser.add_argument(
+        "--stages", choices=("both", "dense", "sparse"), default="both", help="which to profile"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cfg = train.make_config(
         preset=args.preset,
         batch_size=args.batch_size,
         task_changes={"seq_len": args.seq_len},
+        model_changes=dict(args.model_set),
     )
     report = {**_common.environment(), "config": cfg.to_json(), "results": []}
-    for dense in (True, False):
+    for dense in {"both": (True, False), "dense": (True,), "sparse": (False,)}[args.stages]:
         row = profile(cfg, dense, args.steps)
         report["results"].append(row)
         print(json.dumps(row, indent=1), flush=True)
