@@ -120,6 +120,33 @@ def long_context(report: dict) -> str:
     return "\n".join(lines)
 
 
+def profile(report: dict) -> str:
+    """`profile_train_step.py`'s table: per stage, the step and forward wall times, tokens/s,
+    and on a GPU the device time, kernel count and the device time by kernel kind (the name's
+    first word: gemm, loop/input fusions, sort, ...)."""
+    cfg = report["config"]
+    seq = dict(cfg["task_overrides"]).get("seq_len")
+    lines = [
+        f"Commit {report['commit']}, jax {report['jax']}, {report['device']}; {cfg['preset']} "
+        f"on {cfg['task']}, batch {cfg['batch_size']} × {seq} tokens, model overrides "
+        f"{dict(cfg['model_overrides']) or 'none'}.",
+        "",
+        "| stage | train step (median) | forward (median) | tokens/s | device ms | kernels | "
+        "device ms by kind |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        d = r.get("device", {})
+        kinds = ", ".join(f"{k} {v:.1f}" for k, v in d.get("by_kind_ms", {}).items())
+        lines.append(
+            f"| {r['attention']} | {r['train_step']['median_s'] * 1e3:,.0f} ms "
+            f"| {r['forward']['median_s'] * 1e3:,.0f} ms | {r['tokens_per_s']:,.0f} "
+            f"| {d.get('median_ms', float('nan')):,.0f} | {d.get('kernels_per_step', 'n/a')} "
+            f"| {kinds or 'n/a'} |"
+        )
+    return "\n".join(lines)
+
+
 def groups(reports: list[dict]) -> str:
     """The many-seeds table: one seed alone against N seeds in one program (`--group N` runs),
     per step waited for (median) and dispatched back to back (pipelined mean)."""
@@ -157,6 +184,9 @@ def main() -> None:
         "--groups", action="store_true", help="the paths are throughput runs with --group N"
     )
     parser.add_argument(
+        "--profile", action="store_true", help="the paths are profile_train_step runs"
+    )
+    parser.add_argument(
         "--before", nargs="+", type=Path, default=[], help="earlier throughput runs to compare"
     )
     args = parser.parse_args()
@@ -164,6 +194,9 @@ def main() -> None:
     if args.long_context:
         for report in reports:
             print(long_context(report))
+    elif args.profile:
+        for report in reports:
+            print(profile(report))
     elif args.groups:
         print(groups(reports))
     elif args.throughput:

@@ -117,9 +117,76 @@ def _stage_record(name: str, cfg: train.TrainConfig, run_dir: Path, result: dict
     }
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson interval of a proportion `p` observed over `n` independent answers."""
+    if n <= 0:
+        return (float("nan"), float("nan"))
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+    return (centre - half, centre + half)
+
+
+def _scored(cfg: train.TrainConfig) -> int:
+    """Answers one evaluation scores: eval_batches × batch_size × scored per example."""
+    return cfg.eval_batches * cfg.batch_size * cfg.make_task().scored_per_example
+
+
+def _pct(p) -> str:
+    return "n/a" if p is None else f"{p:.1%}"
+
+
+def table(reports: list[dict]) -> str:
+    """One row per stage of each report: accuracy with the pool (95 % Wilson interval over the
+    evaluation's answers: one seed, so not an interval over seeds), dense, by distance bucket,
+    the evaluation curve, and each Reindex layer's pool recall against its baselines."""
+    lines = [
+        "| report | stage | task | seq_len × batch | lr | steps | train s | accuracy [95 % CI] | "
+        "dense | by distance | eval curve (step: accuracy) | pool recall: pool / random / "
+        "recent / oracle |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        name = report.get("name") or report["commit"]
+        for stage in report["stages"]:
+            cfg = train.TrainConfig.from_json(stage["train_config"])
+            s, task = stage["summary"], cfg.make_task()
+            lo, hi = wilson(s["accuracy"], _scored(cfg))
+            edges = evaluate.distance_edges(cfg.model_config())
+            buckets = ", ".join(
+                f"{label} {_pct(v)}"
+                for label, v in zip(
+                    _common.bucket_labels(edges), s.get("accuracy_by_distance", []), strict=True
+                )
+            )
+            curve = " ".join(
+                f"{r['step']}: {r['accuracy']:.0%}"
+                for r in stage["history"]
+                if r["split"] == "eval"
+            )
+            recall = "; ".join(
+                f"{layer} "
+                + " / ".join(
+                    _pct(s.get(f"{layer}/pool_recall{n}"))
+                    for n in ("", "_random", "_recent", "_oracle")
+                )
+                for layer in _common.reindex_layers(cfg.model_config())
+                if f"{layer}/pool_recall" in s
+            )
+            lines.append(
+                f"| {name} | {stage['stage']} | {cfg.task} | {task.seq_len} × {cfg.batch_size} "
+                f"| {cfg.learning_rate:g} | {s['step']}/{cfg.steps} | {s['train_seconds']:.0f} "
+                f"| {s['accuracy']:.1%} [{lo:.1%}, {hi:.1%}] | {_pct(s.get('dense_accuracy'))} "
+                f"| {buckets} | {curve} | {recall or 'dense stage'} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="the report (JSON)")
+    parser.add_argument("--out", type=Path, help="the report (JSON)")
+    parser.add_argument(
+        "--table", type=Path, nargs="+", help="print the table of these reports and exit"
+    )
     parser.add_argument("--runs-dir", type=Path, help="default runs/long_context_task/<task>")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--task", choices=sorted(TASKS), default="multi_passkey")
@@ -132,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table([json.loads(p.read_text()) for p in args.table]))
+        return 0
+    if args.out is None:
+        parser.error("--out: expected the report's path (or --table FILE ...)")
     args.runs_dir = args.runs_dir or Path("runs") / EXPERIMENT / args.task
     began = time.perf_counter()
 
