@@ -123,7 +123,7 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
         return (float("nan"), float("nan"))
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
-    return (centre - half, centre + half)
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def _scored(cfg: train.TrainConfig) -> int:

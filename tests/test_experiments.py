@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from experiments import _common, block_score_ablation, kv_format_study, merge_reports, study_tables
+from experiments import (
+    _common,
+    block_score_ablation,
+    kv_format_study,
+    long_context_task,
+    merge_reports,
+    study_tables,
+)
 from v41jax import train
 
 POOL_METRICS = (
@@ -193,3 +200,40 @@ def test_recipe_sweep_table_counts_seeds_and_steps_to_target():
     assert "learning_rate=0.005, adam_b2=0.95" in row and "| 2/3 |" in row
     assert "| 125 |" in row  # the median of the steps of the seeds that got there (100, 150)
     assert "100% 97% 90%" in row and "95.7% [" in row
+
+
+def test_long_context_task_smoke_runs_the_curriculum_and_prints_its_table(tmp_path, capsys):
+    out, runs = tmp_path / "report.json", tmp_path / "runs"
+    argv = ["--smoke", "--out", str(out), "--runs-dir", str(runs), "--short-lrs", "5e-3"]
+    assert long_context_task.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert not report["partial"]
+    short, long = report["stages"]
+    assert short["done"] and long["done"]
+    assert report["chosen_short"]["run_dir"] == short["run_dir"] == str(runs / "short-lr0.005")
+    long_cfg = train.TrainConfig.from_json(long["train_config"])
+    assert long_cfg.init_from == short["run_dir"] and long_cfg.attention == "sparse"
+    assert (
+        long_cfg.make_task().seq_len
+        > train.TrainConfig.from_json(short["train_config"]).make_task().seq_len
+    )
+    # Run again: every stage is finished, so it only re-evaluates (no step trained twice).
+    assert long_context_task.main(argv) == 0
+    again = json.loads(out.read_text())
+    assert [s["summary"]["resumed_from"] for s in again["stages"]] == [
+        s["summary"]["step"] for s in report["stages"]
+    ]
+    capsys.readouterr()
+    assert long_context_task.main(["--table", str(out)]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
+    assert len(rows) == 1 + 2 and "short lr=0.005" in rows[1] and "| long |" in rows[2]
+
+
+def test_wilson_interval():
+    lo, hi = long_context_task.wilson(0.5, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+    for p, n in ((0.0, 10), (0.215, 1024), (1.0, 50)):
+        lo, hi = long_context_task.wilson(p, n)
+        assert 0.0 <= lo <= p <= hi <= 1.0
+        wider = long_context_task.wilson(p, n // 4)
+        assert wider[0] <= lo and hi <= wider[1]
