@@ -38,7 +38,11 @@ def np_select(scores, lens, topk_blocks, block_size, reduce):
             elif not vals:
                 block_scores.append(-np.inf)
             else:
-                block_scores.append(max(vals) if reduce == "max" else np.mean(vals))
+                block_scores.append(
+                    {"max": max, "mean": np.mean, "top2": lambda v: np.mean(sorted(v)[-2:])}[
+                        reduce
+                    ](vals)
+                )
         ranked = sorted(range(n_blocks), key=lambda j: (-block_scores[j], j))
         kept = sorted(j for j in ranked[:topk_blocks] if block_scores[j] > -np.inf)
         ids[b][: len(kept)] = kept
@@ -157,6 +161,36 @@ def test_mean_ignores_neg_inf_entries():
     scores = np.array([[2.0, -inf, -inf, 1.0, 2.0, -inf, 0.0]], np.float32)
     pool = select_jit(scores, np.array([7]), 2, 3, reduce="mean")
     np.testing.assert_array_equal(pool.block_ids, [[0, 2]])
+
+
+def test_top2_sits_between_max_and_mean():
+    # Block 0: a lone needle (10) among lows; block 1: a two-token piece of evidence (7, 7);
+    # block 2: uniformly fairly high (4s); block 3: the newest (pinned). With 2 slots, max keeps
+    # the needle, mean the uniform block, top2 the pair.
+    scores = np.array([[-3, 10, -3, -3, 7, 7, -3, -3, 4, 4, 4, 4, 0, 0]], np.float32)
+    lens = np.array([14])
+    picked = {
+        r: select_jit(scores, lens, 2, 4, reduce=r).block_ids for r in ("max", "mean", "top2")
+    }
+    np.testing.assert_array_equal(picked["max"], [[0, 3]])
+    np.testing.assert_array_equal(picked["mean"], [[2, 3]])
+    np.testing.assert_array_equal(picked["top2"], [[1, 3]])
+    # One valid position: its score alone (not halved with −inf); block_size 1: the score.
+    inf = np.inf
+    one = np.array([[5.0, -inf, 1.0, 2.0, 0.0, 0.0]], np.float32)
+    np.testing.assert_array_equal(
+        select_jit(one, np.array([6]), 2, 2, reduce="top2").block_ids, [[0, 2]]
+    )
+    flat = np.random.default_rng(1).normal(size=(2, 9)).astype(np.float32)
+    a = select_jit(flat, np.array([9, 5]), 3, 1, reduce="max")
+    b = select_jit(flat, np.array([9, 5]), 3, 1, reduce="top2")
+    np.testing.assert_array_equal(a.block_ids, b.block_ids)
+    # Huge scores do not overflow to inf (the halves are added).
+    big = np.array([[3e38, 3e38, 1e38, 1e38, 0.0, 0.0]], np.float32)
+    reduced = BLOCK_REDUCERS["top2"](
+        jnp.asarray(big[:, :4].reshape(1, 2, 2)), jnp.ones((1, 2, 2), bool)
+    )
+    np.testing.assert_array_equal(np.asarray(reduced), big[:, [0, 2]])
 
 
 def test_custom_reducer_plugs_in():

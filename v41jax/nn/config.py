@@ -134,7 +134,7 @@ class ModelConfig:
       candidate_block_size: positions per candidate block.
       candidate_topk_blocks: blocks kept in each query's candidate pool.
       block_score: block reducer of the candidate pool, a name in `ops.pool.BLOCK_REDUCERS`
-        ('max' or 'mean').
+        ('max', V4.1's; 'mean'; 'top2', the mean of a block's two best scores).
       kv_format: storage format of the main (compressed) KV (`ops.formats.formats_for('kv')`).
       index_format: storage format of the index keys (and fake-quant of indexer queries;
         `formats_for('index')`).

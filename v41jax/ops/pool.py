@@ -2,11 +2,11 @@
 scoring of a pool's packed index keys.
 
 DESIGN §3 step 3, `v41_architecture.md` §4. The candidate source (the last Full layer) scores
-every visible position; `select_candidate_blocks` groups positions into blocks, scores each block
-with a reducer ('max' in V4.1, 'mean' as an ablation), always keeps the block holding the newest
-visible position, and keeps the best `topk_blocks` reachable blocks. Reindex layers then restrict
-their own top-k to the pool (`scoring.topk(..., mask=pool.mask)`); the candidate source's own
-top-k is not restricted.
+every visible position; `select_candidate_blocks` groups positions into blocks, scores each
+block with a reducer ('max' in V4.1; 'mean' and 'top2' as ablations), always keeps the block
+holding the newest visible position, and keeps the best `topk_blocks` reachable blocks. Reindex
+layers then restrict their own top-k to the pool (`scoring.topk(..., mask=pool.mask)`); the
+candidate source's own top-k is not restricted.
 
 At decode a Reindex layer reads only the pool's packed index-key rows (DESIGN §6.1):
 `pooled_scores` is that op's definition (the pooled-scoring kernel is tested against it),
@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import chex
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, UInt8
 
 from v41jax.ops import formats
@@ -91,8 +92,29 @@ def block_mean(
     return total / jnp.maximum(count, 1)
 
 
+def block_top2_mean(
+    scores: Float[Array, "*batch n_blocks block_size"],
+    valid: Bool[Array, "*batch n_blocks block_size"],
+) -> Float[Array, "*batch n_blocks"]:
+    """Ablation, tried by none of the anchors: the mean of the block's two highest valid scores
+    (the one score where a single position is valid).
+
+    Why: evidence often spans two adjacent tokens (a marker and its digit, a key and its value),
+    and such a block scores high on both, while one stray high score, which `block_max` takes at
+    face value, is halved by its neighbour; yet a lone needle still counts half, where
+    `block_mean` dilutes it by the block size.
+    """
+    masked = jnp.where(valid, scores, -jnp.inf)
+    if masked.shape[-1] < 2:
+        return masked[..., 0]
+    first, second = (x[..., 0] for x in jnp.split(lax.top_k(masked, 2)[0], 2, axis=-1))
+    # Halves first: exactly (first + second) / 2 in float32, and never overflows.
+    both = 0.5 * first + 0.5 * second
+    return jnp.where(jnp.sum(valid, axis=-1) >= 2, both, first)
+
+
 BLOCK_REDUCERS: Mapping[str, BlockReducer] = MappingProxyType(
-    {"max": block_max, "mean": block_mean}
+    {"max": block_max, "mean": block_mean, "top2": block_top2_mean}
 )
 """Block reducers by the name `ModelConfig.block_score` uses (the config and the CLI read their
 choices from here). Read-only: add entries here."""
@@ -154,7 +176,7 @@ def select_candidate_blocks(
       topk_blocks: number of blocks to keep (positive int); the pool holds at most
         topk_blocks·block_size positions.
       block_size: positions per block (positive int; 8 in V4.1).
-      reduce: a name in `BLOCK_REDUCERS` ('max' | 'mean') or a `BlockReducer`.
+      reduce: a name in `BLOCK_REDUCERS` ('max' | 'mean' | 'top2') or a `BlockReducer`.
       tie_order: 'oldest' | 'newest' (`scoring.TIE_ORDERS`): which of equal block scores win.
 
     Returns:
