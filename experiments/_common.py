@@ -1,10 +1,12 @@
-"""What the ablation scripts share: the command line, one `train.run` per (variant, seed), mean ±
-std summaries, the JSON report and the strip plots (seeds as dots, their mean as a bar).
+"""What the ablation scripts share: the command line, a variant's seeds trained together
+(`train.run_seeds`), mean ± std and 95 % t-interval summaries, the JSON report and the strip plots
+(seeds as dots, their mean as a bar).
 
-Every run goes through `v41jax.train.run` in its own run directory (`--runs-dir`, default
-`runs/<experiment>/<variant>-seed<seed>`) with `resume=True`: running a study again continues
-the runs a time limit (`--max-minutes`) cut short and re-evaluates the finished ones. The report
-is rewritten after every run, so a study cut short keeps what it measured.
+Every run has its own run directory (`--runs-dir`, default `runs/<experiment>/<variant>/seed<k>`)
+and is resumed: running a study again continues the runs a time limit (`--max-minutes`) cut short
+and re-evaluates the finished ones. The seeds of a variant share one compiled program on an
+accelerator (`--group-size` seeds at a time; one at a time on the CPU). The report is rewritten
+after every variant, so a study cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from scipy import stats
 
 from v41jax import train
 from v41jax.cli import name_value  # NAME=VALUE, as `v41jax train --task-set`
@@ -97,6 +100,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop each run after this long (with a checkpoint); running again continues it",
     )
     parser.add_argument(
+        "--group-size",
+        type=int,
+        help="seeds of a variant trained together in one program (default: all of them on an "
+        "accelerator, one at a time on the CPU; `train.run_seeds`)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=0.9,
+        help="accuracy whose first evaluation step each run reports as steps_to_threshold (0.9)",
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="tiny sizes (2 steps, batch 2, 64 tokens, one seed) to check the script end to end",
@@ -146,17 +161,32 @@ def resolve_paths(args: argparse.Namespace, experiment: str) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def train_run(cfg: train.TrainConfig, run_dir: Path, args: argparse.Namespace) -> dict:
-    """`train.run` in `run_dir` (continuing it if it exists), with the study's time limit."""
-    result = train.run(
-        cfg,
+def train_seeds(cfgs: Sequence[train.TrainConfig], run_dir: Path, args) -> list[dict]:
+    """`train.run_seeds` of one variant's seeds in `run_dir/seed<k>/` (continuing those that
+    exist), grouped by `--group-size`, with the study's time limit; each result gains
+    'steps_to_threshold' (`steps_to`)."""
+    results = train.run_seeds(
+        cfgs,
         run_dir,
+        group_size=args.group_size,
         resume=True,
         progress=not args.smoke,
         max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
     )
-    print(train.summarize(cfg, run_dir, result), flush=True)
-    return result
+    for cfg, result in zip(cfgs, results, strict=True):
+        seed_dir = train.seed_dir(run_dir, cfg.seed)
+        print(train.summarize(cfg, seed_dir, result), flush=True)
+        result["steps_to_threshold"] = steps_to(seed_dir, args.threshold)
+    return results
+
+
+def steps_to(run_dir: Path, threshold: float) -> int | None:
+    """The first evaluation step of `run_dir` whose accuracy is >= `threshold` (None if none):
+    steps-to-threshold, as precise as the run's `eval_every`."""
+    for record in train.read_metrics(Path(run_dir) / "metrics.jsonl"):
+        if record["split"] == "eval" and record["accuracy"] >= threshold:
+            return record["step"]
+    return None
 
 
 def load_model(cfg: train.TrainConfig, run_dir: Path) -> Model:
@@ -231,18 +261,29 @@ def _is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def t_interval(values: Sequence[float]) -> list[float] | None:
+    """The 95 % t-interval of the mean of `values` (None for fewer than two)."""
+    xs = np.asarray(values, np.float64)
+    if xs.size < 2:
+        return None
+    half = float(stats.t.ppf(0.975, xs.size - 1) * xs.std(ddof=1) / np.sqrt(xs.size))
+    return [float(xs.mean()) - half, float(xs.mean()) + half]
+
+
 def _mean_std(values: list) -> dict:
-    """Mean, sample std (None for one value) and count of the non-None numbers."""
+    """Mean, sample std and 95 % t-interval (None for one value) and count of the non-None
+    numbers."""
     xs = np.asarray([v for v in values if v is not None], np.float64)
     if not xs.size:
-        return {"mean": None, "std": None, "n": 0}
+        return {"mean": None, "std": None, "ci95": None, "n": 0}
     std = float(xs.std(ddof=1)) if xs.size > 1 else None
-    return {"mean": float(xs.mean()), "std": std, "n": int(xs.size)}
+    return {"mean": float(xs.mean()), "std": std, "ci95": t_interval(xs), "n": int(xs.size)}
 
 
 def summarize(records: list[dict], by: str = "variant") -> dict:
-    """Per `by` value, mean ± std over seeds of every numeric metric; list metrics (per distance
-    bucket) element by element: {variant: {metric: {"mean", "std", "n"}}}."""
+    """Per `by` value, mean ± std and 95 % t-interval over seeds of every numeric metric; list
+    metrics (per distance bucket) element by element:
+    {variant: {metric: {"mean", "std", "ci95", "n"}}}."""
     groups: dict[str, list[dict]] = {}
     for record in records:
         groups.setdefault(record[by], []).append(record)
@@ -258,7 +299,7 @@ def summarize(records: list[dict], by: str = "variant") -> dict:
                 metrics[key] = _mean_std(values)
             elif all(isinstance(v, list) for v in present):
                 columns = [_mean_std(list(c)) for c in zip(*present, strict=True)]
-                metrics[key] = {k: [c[k] for c in columns] for k in ("mean", "std", "n")}
+                metrics[key] = {k: [c[k] for c in columns] for k in ("mean", "std", "ci95", "n")}
         summary[name] = metrics
     return summary
 

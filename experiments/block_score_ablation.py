@@ -1,8 +1,12 @@
-"""Max vs mean block score of the candidate pool, against dense attention (DESIGN §7 ablations).
+"""Max vs mean (vs top-2) block score of the candidate pool, against dense attention (DESIGN §7
+ablations).
 
-Per seed, three runs of `v41jax.train.run` from the same initialization on the same batches:
+Per seed, four runs from the same initialization on the same batches (a variant's seeds trained
+together, `train.run_seeds`: in one program on an accelerator):
   - 'max':   the candidate pool scores each block of 8 positions by its best position (V4.1);
   - 'mean':  by the mean of its visible positions (MoBA-like);
+  - 'top2':  by the mean of its two best positions (`ops.pool.block_top2_mean`; none of the
+             anchors tried it);
   - 'dense': every layer attends to all visible compressed entries for the whole run (the
              baseline, same steps, batch and learning rate).
 Reported per variant and seed (the keys of `train.run`'s result): task accuracy and loss, the
@@ -21,8 +25,10 @@ trained indexer keeps that gap is the question. The dense run says what the pool
     PYTHONPATH=. python3 experiments/block_score_ablation.py --smoke    # 1-2 min on 2 CPU cores
 
 Writes `block_score_ablation.json` ({"config", "results": one record per variant and seed,
-"summary": per variant, mean ± std over seeds}) and `block_score_ablation.png` to --out-dir
-(experiments/results); the run directories go to runs/block_score_ablation/.
+"summary": per variant, mean ± std and 95 % t-interval over seeds}) and `block_score_ablation.png`
+to --out-dir (experiments/results); the run directories go to
+runs/block_score_ablation/<variant>/seed<k>/. Each record also holds `steps_to_threshold`, the
+first evaluation step at `--threshold` accuracy.
 """
 
 from __future__ import annotations
@@ -40,10 +46,11 @@ NAME = "block_score_ablation"
 VARIANTS = {  # `train.make_config` changes of each variant
     "max": {"model_changes": {"block_score": "max"}},
     "mean": {"model_changes": {"block_score": "mean"}},
+    "top2": {"model_changes": {"block_score": "top2"}},
     "dense": {"attention": "dense"},
 }
-SPARSE = ("max", "mean")
-COLORS = {"max": "C0", "mean": "C2", "dense": "C7"}
+SPARSE = ("max", "mean", "top2")
+COLORS = {"max": "C0", "mean": "C2", "top2": "C1", "dense": "C7"}
 BASELINES = {  # evaluate's block baselines: metric suffix -> (legend, colour)
     "random": ("random blocks", "C7"),
     "recent": ("recent blocks", "C3"),
@@ -61,13 +68,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     config = {**_common.report_config(NAME, args, argv, base), "variants": VARIANTS}
     json_path, png_path = args.out_dir / f"{NAME}.json", args.out_dir / f"{NAME}.png"
     records: list[dict] = []
-    for seed in args.seeds:
-        for variant, changes in VARIANTS.items():
-            cfg = train.make_config(base, seed=seed, **changes)
-            run_dir = args.runs_dir / f"{variant}-seed{seed}"
-            result = _common.train_run(cfg, run_dir, args)
-            records.append({"variant": variant, "seed": seed, "run_dir": str(run_dir), **result})
-            report = _common.write_report(json_path, config, records)
+    for variant, changes in VARIANTS.items():
+        cfgs = [train.make_config(base, seed=seed, **changes) for seed in args.seeds]
+        run_dir = args.runs_dir / variant
+        for cfg, result in zip(cfgs, _common.train_seeds(cfgs, run_dir, args), strict=True):
+            seed_dir = train.seed_dir(run_dir, cfg.seed)
+            records.append(
+                {"variant": variant, "seed": cfg.seed, "run_dir": str(seed_dir), **result}
+            )
+        report = _common.write_report(json_path, config, records)
     plot(report, png_path)
     print(f"wrote {json_path} and {png_path}")
     return report

@@ -1,6 +1,7 @@
 """Main-KV format (NVFP4, MXFP4, FP8, BF16) with QAT vs post-training quantization (DESIGN §7).
 
-Per seed, from the same initialization on the same batches:
+Per seed, from the same initialization on the same batches (a variant's seeds trained together,
+`train.run_seeds`: in one program on an accelerator):
   - 'f32':        trained and evaluated with the main KV unquantized (the reference);
   - 'qat/<fmt>':  trained with the main KV fake-quantized in <fmt> (straight-through gradients)
                   and evaluated in <fmt>;
@@ -19,8 +20,10 @@ BF16 and ahead of MXFP4.
     PYTHONPATH=. python3 experiments/kv_format_study.py --smoke         # 1-2 min on 2 CPU cores
 
 Writes `kv_format_study.json` ({"config", "results": one record per variant and seed,
-"summary": per variant, mean ± std over seeds}) and `kv_format_study.png` to --out-dir
-(experiments/results); the run directories go to runs/kv_format_study/.
+"summary": per variant, mean ± std and 95 % t-interval over seeds}) and `kv_format_study.png` to
+--out-dir (experiments/results); the run directories go to runs/kv_format_study/<variant>/seed<k>/.
+Each trained record also holds `steps_to_threshold`, the first evaluation step at `--threshold`
+accuracy.
 """
 
 from __future__ import annotations
@@ -88,16 +91,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         records.append({"variant": variant, "seed": seed, "run_dir": str(run_dir), **result})
         _common.write_report(json_path, config, records)
 
-    for seed in args.seeds:
-        reference_cfg = base.replace(seed=seed).with_model(kv_format=REFERENCE)
-        reference_dir = args.runs_dir / f"{REFERENCE}-seed{seed}"
-        reference = _common.train_run(reference_cfg, reference_dir, args)
-        record(REFERENCE, seed, reference_dir, reference)
-        trained = _common.load_model(reference_cfg, reference_dir)
+    reference_cfgs = [base.replace(seed=s).with_model(kv_format=REFERENCE) for s in args.seeds]
+    reference_dir = args.runs_dir / REFERENCE
+    references = _common.train_seeds(reference_cfgs, reference_dir, args)
+    for cfg, reference in zip(reference_cfgs, references, strict=True):
+        record(REFERENCE, cfg.seed, train.seed_dir(reference_dir, cfg.seed), reference)
+    for fmt in args.formats:
+        cfgs = [base.replace(seed=s).with_model(kv_format=fmt) for s in args.seeds]
+        run_dir = args.runs_dir / f"qat-{fmt}"
+        for cfg, result in zip(cfgs, _common.train_seeds(cfgs, run_dir, args), strict=True):
+            record(f"qat/{fmt}", cfg.seed, train.seed_dir(run_dir, cfg.seed), result)
+    # PTQ: each seed's f32 reference read through every format, evaluated as its run was.
+    for reference_cfg, reference in zip(reference_cfgs, references, strict=True):
+        seed, seed_dir = reference_cfg.seed, train.seed_dir(reference_dir, reference_cfg.seed)
+        trained = _common.load_model(reference_cfg, seed_dir)
         for fmt in args.formats:
-            cfg = base.replace(seed=seed).with_model(kv_format=fmt)
-            run_dir = args.runs_dir / f"qat-{fmt}-seed{seed}"
-            record(f"qat/{fmt}", seed, run_dir, _common.train_run(cfg, run_dir, args))
             step = reference["step"]
             ptq = evaluate_like_run(_common.with_kv_format(trained, fmt), reference_cfg, step)
             print(
@@ -108,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             record(
                 f"ptq/{fmt}",
                 seed,
-                reference_dir,
+                seed_dir,
                 {"step": step, "stopped_early": reference["stopped_early"], **ptq},
             )
     report = _common.write_report(json_path, config, records)

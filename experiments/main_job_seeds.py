@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from scipy import stats
 
 from experiments import _common
 from v41jax import train
@@ -40,12 +39,9 @@ TARGET_GAP = 0.02  # ... within 2 points of the same weights with dense attentio
 def interval(values: Sequence[float]) -> dict:
     """Mean, 95 % t-interval (None for one value), min and n."""
     xs = np.asarray(values, np.float64)
-    half = None
-    if xs.size > 1:
-        half = float(stats.t.ppf(0.975, xs.size - 1) * xs.std(ddof=1) / np.sqrt(xs.size))
     return {
         "mean": float(xs.mean()),
-        "ci95": None if half is None else [float(xs.mean()) - half, float(xs.mean()) + half],
+        "ci95": _common.t_interval(xs),
         "min": float(xs.min()),
         "n": int(xs.size),
     }

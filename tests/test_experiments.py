@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from scipy import stats
 
 from experiments import (
     _common,
@@ -34,6 +35,8 @@ def _check_report(out_dir, name: str, variants: list[str], sparse: list[str]) ->
     assert sorted(pairs) == sorted((v, s) for v in variants for s in config["seeds"])
     for r in report["results"]:
         assert {"accuracy", "task_loss", "accuracy_by_distance"} <= set(r)
+        if not r["variant"].startswith("ptq/"):  # trained runs: their first step at threshold
+            assert r["steps_to_threshold"] is None or r["steps_to_threshold"] <= r["step"]
         pool_keys = {f"{layer}/{m}" for layer in config["reindex_layers"] for m in POOL_METRICS}
         if r["variant"] in sparse:
             assert pool_keys | {"dense_accuracy"} <= set(r)
@@ -52,7 +55,16 @@ def test_summary_is_mean_and_sample_std_over_seeds_per_variant():
         {"variant": "b", "seed": 0, "accuracy": None},
     ]
     summary = _common.summarize(records)
-    assert summary["a"]["accuracy"] == {"mean": 0.75, "std": pytest.approx(0.5**0.5 / 2), "n": 2}
+    std = 0.5**0.5 / 2
+    ci95 = stats.t.interval(0.95, 1, loc=0.75, scale=std / 2**0.5)
+    assert summary["a"]["accuracy"] == {
+        "mean": 0.75,
+        "std": pytest.approx(std),
+        "ci95": pytest.approx(list(ci95)),
+        "n": 2,
+    }
+    bucket = stats.t.interval(0.95, 1, loc=0.5, scale=0.5**0.5 / 2**0.5)  # of [0.0, 1.0]
+    assert summary["a"]["by_distance"]["ci95"] == [pytest.approx(list(bucket)), None]
     assert summary["a"]["by_distance"]["mean"] == [0.5, None]
     assert summary["a"]["by_distance"]["n"] == [2, 0]
     assert "seed" not in summary["a"] and "note" not in summary["a"]
@@ -68,7 +80,9 @@ def test_smoke_outputs_never_go_to_the_results_folder(script):
 @pytest.mark.slow
 def test_block_score_ablation_smoke(tmp_path):
     block_score_ablation.main(["--smoke", "--out-dir", str(tmp_path)])
-    _check_report(tmp_path, "block_score_ablation", ["max", "mean", "dense"], ["max", "mean"])
+    _check_report(
+        tmp_path, "block_score_ablation", ["max", "mean", "top2", "dense"], ["max", "mean", "top2"]
+    )
 
 
 @pytest.mark.slow
@@ -79,7 +93,7 @@ def test_kv_format_study_smoke_and_ptq_reads_the_trained_parameters(tmp_path):
     by_variant = {r["variant"]: r for r in report["results"]}
     # The f32 run's parameters read through f32 again reproduce its own evaluation exactly, and
     # through NVFP4 the ptq record: the state transfer moves the trained weights, nothing else.
-    run_dir = tmp_path / "runs" / "f32-seed0"
+    run_dir = tmp_path / "runs" / "f32" / "seed0"
     cfg = train.TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
     trained = _common.load_model(cfg, run_dir)
     for fmt, variant in (("f32", "f32"), ("nvfp4", "ptq/nvfp4")):
