@@ -106,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "accelerator, one at a time on the CPU; `train.run_seeds`)",
     )
     parser.add_argument(
+        "--converge-accuracy",
+        type=float,
+        help="the convergence rule: a run stops once its last --converge-evals evaluations of "
+        "the final stage reach this accuracy; --steps is then the cap (off)",
+    )
+    parser.add_argument("--converge-evals", type=int, help="(2)")
+    parser.add_argument(
         "--threshold",
         type=float,
         default=0.9,
@@ -138,6 +145,8 @@ def train_config(args: argparse.Namespace) -> train.TrainConfig:
         steps=args.steps,
         batch_size=args.batch_size,
         dense_warmup_steps=args.dense_warmup_steps,
+        converge_accuracy=args.converge_accuracy,
+        converge_evals=args.converge_evals,
         model_changes=dict(args.model_set),
         task_changes=dict(args.task_set),
     )

@@ -179,6 +179,43 @@ def test_init_from_starts_a_stage_from_the_weights_of_another_run(tmp_path):
         SMOKE.replace(init_from=3)
 
 
+def _fake_evaluations(monkeypatch, sparse_accuracies: dict[int, list[float]]):
+    """Replaces the evaluation: dense ones score 0.95, sparse ones of seed s the next value of
+    sparse_accuracies[s] (what the convergence rule reads), losses 0."""
+    queues = {s: list(v) for s, v in sparse_accuracies.items()}
+
+    def fake(model, task, *, seed, batches, batch_size, dense):
+        accuracy = 0.95 if dense else queues[seed - train.EVAL_SEED_OFFSET].pop(0)
+        return {"accuracy": accuracy, "task_loss": 0.0}
+
+    monkeypatch.setattr(evaluate, "evaluate", fake)
+
+
+def test_a_run_stops_once_its_final_stage_meets_the_convergence_rule(tmp_path, monkeypatch):
+    cfg = SMOKE.replace(eval_every=1, dense_warmup_steps=2, converge_accuracy=0.5, converge_evals=2)
+    # Evaluations at steps 1..6; step 1 is dense (not counted); sparse from step 2:
+    # 0.6, 0.3, 0.7, 0.8 -> the last two reach 0.5 after step 5.
+    _fake_evaluations(monkeypatch, {cfg.seed: [0.6, 0.3, 0.7, 0.8, 0.9, 0.9]})
+    result = train.run(cfg, tmp_path / "run", progress=False, log_every=1)
+    assert result["step"] == 5 and result["converged"] and not result["stopped_early"]
+    assert (tmp_path / "run" / "checkpoints" / "5").exists()  # not a checkpoint_every step
+    assert "converged: the last 2 evaluations >= 50%" in train.summarize(cfg, "run", result)
+    # Resumed, it trains nothing more.
+    again = train.run(cfg, tmp_path / "run", progress=False, resume=True)
+    assert again["step"] == 5 and again["resumed_from"] == 5 and again["converged"]
+    # The rule itself: off at 0; only the final stage's evaluations count; consecutive ones.
+    assert not SMOKE.converged([(6, 1.0), (7, 1.0)])
+    rule = SMOKE.replace(converge_accuracy=0.9, converge_evals=2, dense_warmup_steps=4)
+    assert not rule.converged([(2, 1.0), (4, 1.0)])  # step 2 is dense
+    assert rule.converged([(2, 1.0), (4, 1.0), (5, 0.9)])
+    assert not rule.converged([(4, 1.0), (5, 0.8), (6, 0.95)])
+    for bad in (-0.1, 1.5, True, float("nan")):
+        with pytest.raises(ValueError, match=r"TrainConfig\.converge_accuracy"):
+            SMOKE.replace(converge_accuracy=bad)
+    with pytest.raises(ValueError, match=r"TrainConfig\.converge_evals"):
+        SMOKE.replace(converge_evals=0)
+
+
 def test_ctrl_c_saves_a_checkpoint(tmp_path, monkeypatch):
     real_step = train.StepRunner.__call__
     calls = []

@@ -82,6 +82,7 @@ def _train(args: argparse.Namespace) -> int:
             dense_warmup_steps=args.dense_warmup_steps,
             checkpoint_every=args.checkpoint_every,
             init_from=args.init_from,
+            converge_accuracy=args.converge_accuracy,
             model_changes=model,
             task_changes=dict(args.task_set),
         )
@@ -355,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
         "runs/<preset>-<task>-<attention>-seeds<A-B> holding seed<N>/ for each seed)",
     )
     train_parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    train_parser.add_argument(
+        "--converge-accuracy",
+        type=float,
+        metavar="ACC",
+        help="stop once the last 2 evaluations of the final stage reach ACC (--steps is then "
+        "a cap); a rule on the run's own evaluations, not on the machine (off)",
+    )
     train_parser.add_argument(
         "--init-from",
         metavar="RUN_DIR",

@@ -310,6 +310,8 @@ def _run_group(
             states.append(trainer._Run(cfg, d, manager, progress=False))
             if was_held and not states[-1].start:
                 print(f"nothing to resume in {d} (no checkpoint yet): training from step 0")
+        if all(state.converged for state in states):  # resumed after meeting the rule
+            end = min(state.start for state in states)
         _train_group(states, end, log_every=log_every, max_seconds=max_seconds, progress=progress)
     return [state.finish(state.trained) for state in states]
 
@@ -344,7 +346,8 @@ def _train_group(
                     done, seed_metrics, end=end, log_every=log_every, out_of_time=out_of_time
                 )
         bar.update(1)
-        return out_of_time
+        # The convergence rule stops a group once every seed meets it at the same time.
+        return out_of_time or all(state.converged for state in states)
 
     task = states[0].task
     try:

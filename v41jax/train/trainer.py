@@ -91,6 +91,12 @@ class TrainConfig:
       eval_batches: batches per evaluation (drawn from a seed disjoint from training's).
       checkpoint_every: steps between checkpoints (and at the end).
       keep_checkpoints: checkpoints kept on disk.
+      converge_accuracy: 0 (off: the run trains all `steps`) or the convergence rule's
+        accuracy: the run stops after the evaluation that makes the last `converge_evals`
+        evaluations of its final stage (sparse after the warm-up, or dense for attention='dense')
+        all reach it; `steps` is then the cap. A rule on the run's own evaluations, so where it
+        stops depends on seeds and data, never on the machine.
+      converge_evals: consecutive evaluations the rule asks for.
       init_from: '' (a fresh initialization from `seed`) or a run directory whose latest
         checkpoint's model weights start this run, with a fresh optimizer and schedule: a stage
         of a curriculum (the same model on a shorter task first) or a fine-tune. `{seed}` in it
@@ -118,12 +124,21 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
+    converge_accuracy: float = 0.0
+    converge_evals: int = 2
     init_from: str = ""
 
     def __post_init__(self):
         for name in ("model_overrides", "task_overrides"):
             object.__setattr__(self, name, _overrides(name, getattr(self, name)))
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every"):
+        for name in (
+            "steps",
+            "batch_size",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "converge_evals",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"TrainConfig.{name}: expected a positive int, got {value!r}")
@@ -131,6 +146,14 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainConfig.{name}: expected an int >= 0, got {value!r}")
+        accuracy = self.converge_accuracy
+        if isinstance(accuracy, bool) or not (
+            isinstance(accuracy, int | float) and 0.0 <= accuracy <= 1.0
+        ):
+            raise ValueError(
+                "TrainConfig.converge_accuracy: expected 0 (off) or an accuracy in (0, 1], "
+                f"got {accuracy!r}"
+            )
         if not isinstance(self.init_from, str):
             raise ValueError(
                 "TrainConfig.init_from: expected a run directory (str) or '', "
@@ -188,6 +211,15 @@ class TrainConfig:
     def dense_at(self, step: int) -> bool:
         """Whether step `step` (0-based) attends densely."""
         return self.attention == "dense" or step < self.dense_warmup_steps
+
+    def converged(self, evals: Iterable[tuple[int, float]]) -> bool:
+        """The convergence rule (`converge_accuracy`) on (step, accuracy) evaluations in order:
+        whether the last `converge_evals` of the final stage all reach the accuracy."""
+        if not self.converge_accuracy:
+            return False
+        final = self.dense_at(self.steps)  # the mode of the final evaluations
+        last = [a for step, a in evals if self.dense_at(step) == final][-self.converge_evals :]
+        return len(last) == self.converge_evals and min(last) >= self.converge_accuracy
 
     def to_json(self) -> dict:
         """The config as JSON-able data (overrides as objects); `from_json` reads it back."""
@@ -519,6 +551,13 @@ class _Run:
         else:
             initialize_from(self.model, cfg)
         rundir.truncate_metrics(self.metrics_path, self.start)
+        self.evals = []  # (step, accuracy) of the recorded evaluations: the convergence rule's
+        if self.metrics_path.exists():
+            self.evals = [
+                (r["step"], r["accuracy"])
+                for r in rundir.read_metrics(self.metrics_path)
+                if r["split"] == "eval"
+            ]
         self.unwritten = None  # the train metrics of the latest step, until recorded
         self.result, self.evaluated_at = self._recorded_eval(self.start), self.start
         if self.result is None:
@@ -557,7 +596,13 @@ class _Run:
             self.result, self.evaluated_at = result, step
             if record:
                 rundir.append_metrics(self.metrics_path, {"step": step, "split": "eval", **result})
+                self.evals.append((step, result["accuracy"]))
         return result
+
+    @property
+    def converged(self) -> bool:
+        """Whether the recorded evaluations meet the config's convergence rule."""
+        return self.cfg.converged(self.evals)
 
     def _write_train_record(self, done: int) -> None:
         record = metrics_to_json(self.unwritten)
@@ -583,7 +628,7 @@ class _Run:
             self._write_train_record(done)
         if self.scheduled("eval", done):
             self.evaluate(done)
-        if self.saves_at(done, end, out_of_time):
+        if self.saves_at(done, end, out_of_time or self.converged):
             rundir.save(self.manager, done, self.model, self.optimizer)
         self.bar.update(1)
 
@@ -594,7 +639,7 @@ class _Run:
         def after_step(done: int, metrics: dict) -> bool:
             out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
             self.after_step(done, metrics, end=end, log_every=log_every, out_of_time=out_of_time)
-            return out_of_time
+            return out_of_time or self.converged
 
         try:
             done = train_steps(
@@ -637,7 +682,8 @@ class _Run:
             "step": step,
             "train_seconds": self.seconds,
             "resumed_from": self.start,
-            "stopped_early": step < self.cfg.steps,
+            "stopped_early": step < self.cfg.steps and not self.converged,
+            "converged": self.converged,
             **result,
         }
 
@@ -681,9 +727,11 @@ def run(
 
     Returns:
       the final evaluation (see `evaluate.evaluate`) plus 'step', 'stopped_early' (the step or
-      time limit ended the run before `cfg.steps`), 'resumed_from' (the checkpoint step this
-      call continued from, 0 for a fresh run) and 'train_seconds' (the training time of this
-      call alone: a resumed run counts only the steps it trained now).
+      time limit ended the run before `cfg.steps`), 'converged' (its evaluations meet the
+      convergence rule, `TrainConfig.converge_accuracy`; it then stops before `cfg.steps`),
+      'resumed_from' (the checkpoint step this call continued from, 0 for a fresh run) and
+      'train_seconds' (the training time of this call alone: a resumed run counts only the
+      steps it trained now).
     """
     check_run_arguments(log_every=log_every, stop_after=stop_after, max_seconds=max_seconds)
     run_dir = Path(run_dir)
@@ -693,6 +741,8 @@ def run(
         if held and not state.start:
             print(f"nothing to resume in {run_dir} (no checkpoint yet): training from step 0")
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        if state.converged:  # a resumed run that had met its convergence rule: nothing to train
+            end = state.start
         step = state.train(end, log_every=log_every, max_seconds=max_seconds)
     return state.finish(step)
 
@@ -713,7 +763,12 @@ def summarize(cfg: TrainConfig, run_dir: str | Path, result: dict) -> str:
     lines = [
         "",
         f"run: {run_dir}  ({trained}"
-        + ("; stopped early: --resume continues)" if result["stopped_early"] else ")"),
+        + ("; stopped early: --resume continues)" if result["stopped_early"] else ")")
+        + (
+            f"; converged: the last {cfg.converge_evals} evaluations >= {cfg.converge_accuracy:.0%}"
+            if result.get("converged")
+            else ""
+        ),
         f"task accuracy (scored positions): {result['accuracy']:.1%} with "
         + ("dense attention" if cfg.attention == "dense" else "the candidate pool"),
     ]
