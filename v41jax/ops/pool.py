@@ -31,8 +31,10 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 import chex
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, UInt8
 
 from v41jax.ops import formats
@@ -52,6 +54,7 @@ from v41jax.ops.scoring import (
     index_scores,
     index_scores_at,
     indices_to_mask,
+    ranked_topk,
     require_option,
     sorted_picks,
     topk,
@@ -146,6 +149,42 @@ def _resolve_reducer(reduce: str | BlockReducer) -> BlockReducer:
     )
 
 
+def _block_scores(
+    scores: Float[Array, "*batch n"],
+    lens: Int[Array, "*batch"],
+    block_size: int,
+    reducer: BlockReducer,
+    first_position: int | Int[Array, ""],
+) -> Float[Array, "*batch n_blocks"]:
+    """Steps 1–3 of `select_candidate_blocks` for the positions first_position … + n − 1 of a
+    row (first_position a multiple of block_size; `lens` clipped to the row): each block's
+    score, −inf where unreachable, capped below +inf, +inf at the block holding lens − 1.
+    The one definition both the whole-row pool and the sharded one use."""
+    batch, n = scores.shape[:-1], scores.shape[-1]
+    n_blocks = math.ceil(n / block_size)
+    padded = jnp.pad(
+        scores.astype(jnp.float32),
+        [(0, 0)] * len(batch) + [(0, n_blocks * block_size - n)],
+        constant_values=-jnp.inf,
+    )
+    # Padding sits at positions ≥ n_pos ≥ lens, so the visibility test excludes it too.
+    position = first_position + jnp.arange(n_blocks * block_size)
+    valid = (padded > -jnp.inf) & (position < lens[..., None])
+    padded = jnp.where(valid, padded, -jnp.inf)
+    blocks = padded.reshape(*batch, n_blocks, block_size)
+    valid = valid.reshape(*batch, n_blocks, block_size)
+    block_scores = jnp.where(jnp.any(valid, axis=-1), reducer(blocks, valid), -jnp.inf)
+    chex.assert_shape(block_scores, (*batch, n_blocks))
+
+    newest = (lens - 1) // block_size
+    block_id = first_position // block_size + jnp.arange(n_blocks)
+    pinned = (block_id == newest[..., None]) & (lens[..., None] > 0)
+    # The pin must win: other blocks are capped below +inf (a +inf score would tie with the pin,
+    # and a tie could go either way).
+    block_scores = jnp.minimum(block_scores, jnp.finfo(jnp.float32).max)
+    return jnp.where(pinned, jnp.inf, block_scores)
+
+
 def select_candidate_blocks(
     scores: Float[Array, "*batch n_pos"],
     compress_lens: Int[ArrayLike, "*batch"],
@@ -191,28 +230,103 @@ def select_candidate_blocks(
     batch, n_pos = scores.shape[:-1], scores.shape[-1]
     lens = jnp.clip(as_lengths("compress_lens", compress_lens, batch), 0, n_pos)
 
-    n_blocks = math.ceil(n_pos / block_size)
-    padded = jnp.pad(
-        scores.astype(jnp.float32),
-        [(0, 0)] * len(batch) + [(0, n_blocks * block_size - n_pos)],
-        constant_values=-jnp.inf,
-    )
-    # Padding sits at positions ≥ n_pos ≥ lens, so the visibility test excludes it too.
-    valid = (padded > -jnp.inf) & (jnp.arange(n_blocks * block_size) < lens[..., None])
-    padded = jnp.where(valid, padded, -jnp.inf)
-    blocks = padded.reshape(*batch, n_blocks, block_size)
-    valid = valid.reshape(*batch, n_blocks, block_size)
-    block_scores = jnp.where(jnp.any(valid, axis=-1), reducer(blocks, valid), -jnp.inf)
-    chex.assert_shape(block_scores, (*batch, n_blocks))
-
-    newest = (lens - 1) // block_size
-    pinned = (jnp.arange(n_blocks) == newest[..., None]) & (lens[..., None] > 0)
-    # The pin must win: other blocks are capped below +inf (a +inf score would tie with the pin,
-    # and a tie could go either way).
-    block_scores = jnp.minimum(block_scores, jnp.finfo(jnp.float32).max)
-    block_scores = jnp.where(pinned, jnp.inf, block_scores)
-
+    block_scores = _block_scores(scores, lens, block_size, reducer, first_position=0)
     block_ids = topk_indices(block_scores, topk_blocks, tie_order=tie_order)
+    mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lens)
+    return CandidatePool(mask, block_ids)
+
+
+def sharded_candidate_blocks(
+    scores: Float[Array, "batch n_pos"],
+    compress_lens: Int[ArrayLike, " batch"],
+    topk_blocks: int,
+    block_size: int,
+    reduce: str | BlockReducer = "max",
+    *,
+    mesh: jax.sharding.Mesh,
+    axis: str,
+    batch_axis: str | None = None,
+    tie_order: str = "oldest",
+) -> CandidatePool:
+    """`select_candidate_blocks` with the positions sharded over the mesh axis `axis`: the same
+    pool, bit for bit (ids, order and ties), for a sequence-sharded cache (issue 15).
+
+    Each device scores the blocks of its contiguous slice of positions (`_block_scores`, the one
+    definition), keeps its own top `topk_blocks` as (score, global block id) pairs, and an
+    all-gather over `axis` brings every device's pairs together; the merge ranks them by score,
+    then by block id in `tie_order`, and keeps the top `topk_blocks` reachable ones. A block of
+    the global top k is in its own device's top k (the device ranks by the same total order),
+    so the merge sees every block it needs: per query row, devices exchange 8 bytes × k × the
+    number of devices, not the scores.
+
+    Args:
+      scores: [B, n_pos] candidate-source scores; n_pos must split into equal slices of whole
+        blocks over `axis` (n_pos % (block_size · mesh.shape[axis]) == 0).
+      compress_lens, topk_blocks, block_size, reduce, tie_order: as `select_candidate_blocks`.
+      mesh: the device mesh; axis: its axis the positions are sharded over; batch_axis: an
+        optional mesh axis the rows are sharded over (B divisible by its size).
+
+    Returns:
+      `CandidatePool(mask [B, n_pos], block_ids [B, topk_blocks])`, equal to
+      `select_candidate_blocks(scores, compress_lens, ...)`.
+    """
+    scores = jnp.asarray(scores)
+    require_dtype("scores", scores, "floating")
+    if scores.ndim != 2:
+        raise ValueError(f"scores: expected shape [B, n_pos], got {scores.shape}")
+    topk_blocks = require_positive_int("topk_blocks", topk_blocks)
+    block_size = require_positive_int("block_size", block_size)
+    tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
+    reducer = _resolve_reducer(reduce)
+    for name, value in (("axis", axis), ("batch_axis", batch_axis)):
+        if value is not None and value not in mesh.shape:
+            raise ValueError(
+                f"{name}: expected one of the mesh axes {tuple(mesh.shape)}, got {value!r}"
+            )
+    n_dev = mesh.shape[axis]
+    batch, n_pos = scores.shape
+    if n_pos % (block_size * n_dev):
+        raise ValueError(
+            f"scores: expected n_pos to split into whole blocks over {n_dev} devices of axis "
+            f"{axis!r} (a multiple of block_size · {n_dev} = {block_size * n_dev}), got {n_pos}"
+        )
+    if batch_axis is not None and batch % mesh.shape[batch_axis]:
+        raise ValueError(
+            f"scores: expected B divisible by the {mesh.shape[batch_axis]} devices of "
+            f"batch_axis {batch_axis!r}, got B = {batch}"
+        )
+    lens = jnp.clip(as_lengths("compress_lens", compress_lens, (batch,)), 0, n_pos)
+    n_local = n_pos // n_dev
+    k_local = min(topk_blocks, n_local // block_size)
+
+    def local(scores, lens):
+        first = lax.axis_index(axis) * n_local
+        block_scores = _block_scores(scores, lens, block_size, reducer, first_position=first)
+        # As `topk`: −0.0 ties +0.0 (block scores are never NaN: NaN positions are not valid).
+        block_scores = jnp.where(block_scores == 0, 0.0, block_scores)
+        values, ids = ranked_topk(block_scores, k_local, tie_order)
+        ids = ids + first // block_size
+        return (
+            lax.all_gather(values, axis, axis=1, tiled=True, to="invarying"),
+            lax.all_gather(ids, axis, axis=1, tiled=True, to="invarying"),
+        )
+
+    rows = P(batch_axis)
+    values, ids = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(batch_axis, axis), rows),
+        out_specs=(P(batch_axis, None), P(batch_axis, None)),
+    )(scores, lens)
+    # The merge: best score first, then the tie order on the global block id.
+    id_key = ids if tie_order == "oldest" else -ids
+    neg, _, ids = lax.sort((-values, id_key, ids), dimension=-1, num_keys=2)
+    n_keep = min(topk_blocks, ids.shape[-1])
+    neg, ids = neg[..., :n_keep], ids[..., :n_keep]
+    picks = sorted_picks(ids, -neg, -neg > -jnp.inf)
+    block_ids = picks.indices
+    if n_keep < topk_blocks:
+        block_ids = jnp.pad(block_ids, ((0, 0), (0, topk_blocks - n_keep)), constant_values=-1)
     mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lens)
     return CandidatePool(mask, block_ids)
 

@@ -1,0 +1,105 @@
+"""The sequence-sharded candidate pool equals the unsharded one bit for bit (issue 15).
+
+Runs on 8 devices: `tests/test_multidevice.py` starts it with JAX_NUM_CPU_DEVICES=8 (8 simulated
+CPU devices); on a machine with 8 accelerators it runs as it is.
+"""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from v41jax.ops.pool import BLOCK_REDUCERS, select_candidate_blocks, sharded_candidate_blocks
+from v41jax.ops.scoring import TIE_ORDERS
+
+if jax.device_count() < 8:
+    pytest.skip(
+        "needs 8 devices (tests/test_multidevice.py provides them)", allow_module_level=True
+    )
+
+MESHES = {  # name: (mesh shape, axis names, positions axis, rows axis)
+    "1x8": ((8,), ("context",), "context", None),
+    "2x4": ((2, 4), ("data", "context"), "context", "data"),
+    "4x2": ((4, 2), ("data", "context"), "context", "data"),
+    "8x1": ((8, 1), ("data", "context"), "context", "data"),
+}
+
+
+SHARDED = jax.jit(
+    sharded_candidate_blocks,
+    static_argnames=(
+        "topk_blocks",
+        "block_size",
+        "reduce",
+        "mesh",
+        "axis",
+        "batch_axis",
+        "tie_order",
+    ),
+)
+
+
+def _mesh(name):
+    shape, names, axis, rows = MESHES[name]
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), names), axis, rows
+
+
+def _scores(rng, batch, n_pos, block_size):
+    """Scores that tie often (small integers, ReLU zeros of both signs), with −inf holes, NaN,
+    +inf and huge values, ragged lengths, an empty row and a full one."""
+    scores = rng.integers(-2, 3, size=(batch, n_pos)).astype(np.float32)
+    scores = np.maximum(scores, 0.0) * rng.choice([1.0, -1.0], size=scores.shape)  # ±0.0
+    noisy = rng.random(scores.shape) < 0.3
+    scores[noisy] = rng.normal(size=int(noisy.sum()))
+    special = rng.random(scores.shape)
+    scores[special < 0.15] = -np.inf
+    scores[(special > 0.97)] = np.nan
+    scores[(special > 0.95) & (special <= 0.97)] = np.inf
+    scores[(special > 0.93) & (special <= 0.95)] = 3e38
+    lens = rng.integers(0, n_pos + 1, size=batch)
+    lens[0], lens[-1] = 0, n_pos
+    return scores.astype(np.float32), lens
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("reduce", sorted(BLOCK_REDUCERS))
+def test_sharded_pool_is_the_pool_bit_for_bit(mesh_name, reduce):
+    mesh, axis, rows = _mesh(mesh_name)
+    rng = np.random.default_rng(abs(hash((mesh_name, reduce))) % 2**32)
+    for block_size, blocks_per_device, topk_blocks, tie_order in itertools.product(
+        (1, 4), (1, 3), (1, 5, 40), TIE_ORDERS
+    ):
+        n_pos = block_size * blocks_per_device * mesh.shape[axis]
+        scores, lens = _scores(rng, 8, n_pos, block_size)
+        want = select_candidate_blocks(
+            scores, lens, topk_blocks, block_size, reduce, tie_order=tie_order
+        )
+        got = SHARDED(
+            scores,
+            lens,
+            topk_blocks=topk_blocks,
+            block_size=block_size,
+            reduce=reduce,
+            mesh=mesh,
+            axis=axis,
+            batch_axis=rows,
+            tie_order=tie_order,
+        )
+        case = f"{block_size=} {blocks_per_device=} {topk_blocks=} {tie_order=}"
+        np.testing.assert_array_equal(got.block_ids, want.block_ids, err_msg=case)
+        np.testing.assert_array_equal(got.mask, want.mask, err_msg=case)
+
+
+def test_sharded_pool_names_what_does_not_fit():
+    mesh, axis, rows = _mesh("2x4")
+    scores = np.zeros((2, 24), np.float32)
+    with pytest.raises(ValueError, match=r"scores: expected n_pos to split .* 32\), got 24"):
+        sharded_candidate_blocks(scores, [24, 24], 2, 8, mesh=mesh, axis=axis)
+    with pytest.raises(ValueError, match=r"axis: expected one of the mesh axes"):
+        sharded_candidate_blocks(scores, [24, 24], 2, 2, mesh=mesh, axis="sequence")
+    with pytest.raises(ValueError, match=r"scores: expected B divisible by the 2 devices"):
+        sharded_candidate_blocks(
+            np.zeros((3, 32), np.float32), [1, 2, 3], 2, 2, mesh=mesh, axis=axis, batch_axis=rows
+        )
