@@ -92,6 +92,23 @@ def _train(args: argparse.Namespace) -> int:
     if args.group_size is not None and args.seeds is None:
         print("v41jax train: error: --group-size: expected --seeds with it", file=sys.stderr)
         return 2
+    mesh = None
+    if args.mesh is not None:
+        if args.seeds is not None:
+            print(
+                "v41jax train: error: --mesh: one run at a time, not with --seeds", file=sys.stderr
+            )
+            return 2
+        try:
+            mesh = train.make_mesh(args.mesh)
+            if cfg.batch_size % mesh.shape["data"]:
+                raise ValueError(
+                    f"expected a --batch-size divisible by data={mesh.shape['data']}, got "
+                    f"{cfg.batch_size}"
+                )
+        except ValueError as err:
+            print(f"v41jax train: error: --mesh: {err}", file=sys.stderr)
+            return 2
     if args.seeds is not None:
         return _train_seeds(args, [cfg.replace(seed=seed) for seed in args.seeds])
     out = args.out or _default_run_dir(cfg)
@@ -106,6 +123,7 @@ def _train(args: argparse.Namespace) -> int:
             out,
             resume=args.resume,
             max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+            mesh=mesh,
         )
     except train.RunDirectoryError as err:
         print(f"v41jax train: error: {err}", file=sys.stderr)
@@ -204,6 +222,17 @@ def name_value(text: str) -> tuple[str, object]:
         return name, json.loads(value)
     except json.JSONDecodeError:
         return name, value
+
+
+def _mesh_shape(text: str) -> dict[str, int]:
+    """`--mesh`: comma-separated AXIS=SIZE, e.g. data=2 or data=2,context=1."""
+    shape = {}
+    for part in text.split(","):
+        axis, sep, size = part.partition("=")
+        if not sep or not size.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected AXIS=SIZE[,AXIS=SIZE], got {text!r}")
+        shape[axis.strip()] = int(size)
+    return shape
 
 
 def _minutes(text: str) -> float:
@@ -356,6 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
         "runs/<preset>-<task>-<attention>-seeds<A-B> holding seed<N>/ for each seed)",
     )
     train_parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    train_parser.add_argument(
+        "--mesh",
+        type=_mesh_shape,
+        metavar="data=N",
+        help="train data-parallel over N devices: each batch split over them, the state "
+        "replicated (context parallelism, context=M, is not built yet)",
+    )
     train_parser.add_argument(
         "--converge-accuracy",
         type=float,

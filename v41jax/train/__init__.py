@@ -29,6 +29,7 @@ from v41jax.train.group import (
 from v41jax.train.rundir import RunDirectoryError, plot_run, read_metrics
 from v41jax.train.trainer import (
     EVAL_SEED_OFFSET,
+    MESH_AXES,
     StepHook,
     StepRunner,
     TrainConfig,
@@ -37,6 +38,7 @@ from v41jax.train.trainer import (
     load,
     loss_fn,
     make_config,
+    make_mesh,
     make_optimizer,
     metrics_to_json,
     run,
@@ -47,6 +49,7 @@ from v41jax.train.trainer import (
 
 __all__ = [
     "EVAL_SEED_OFFSET",
+    "MESH_AXES",
     "GroupStepHook",
     "GroupStepRunner",
     "RunDirectoryError",
@@ -60,6 +63,7 @@ __all__ = [
     "load",
     "loss_fn",
     "make_config",
+    "make_mesh",
     "make_optimizer",
     "metrics_to_json",
     "plot_run",

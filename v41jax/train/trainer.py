@@ -24,14 +24,16 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from v41jax.nn import config as config_lib
@@ -394,6 +396,45 @@ def _compiled_step(graphdef, paths: tuple) -> Callable:
     )
 
 
+MESH_AXES = ("data", "context")
+"""The training mesh's axes: 'data' splits the batch; 'context' will split each sequence
+(context parallelism, not built yet: it must be 1)."""
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A training mesh of `shape` ({'data': N, 'context': 1}; missing axes are 1) over the
+    first data·context devices of `devices` (default `jax.devices()`)."""
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh: expected axes among {MESH_AXES}, got {unknown}")
+    sizes = tuple(shape.get(axis, 1) for axis in MESH_AXES)
+    for axis, size in zip(MESH_AXES, sizes, strict=True):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh: expected a positive int for {axis}, got {size!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    if math.prod(sizes) > len(devices):
+        raise ValueError(
+            f"mesh: {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices, "
+            f"got {len(devices)}"
+        )
+    grid = np.array(devices[: math.prod(sizes)], dtype=object).reshape(sizes)
+    return check_mesh(Mesh(grid, MESH_AXES))
+
+
+def check_mesh(mesh: Mesh | None) -> Mesh | None:
+    """`mesh` if the trainer can use it (axes `MESH_AXES`, context 1), else ValueError."""
+    if mesh is None:
+        return None
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"mesh: expected axes {MESH_AXES}, got {tuple(mesh.axis_names)}")
+    if mesh.shape["context"] != 1:
+        raise ValueError(
+            "mesh: context parallelism (sharding each sequence) is not built yet; expected "
+            f"context=1, got context={mesh.shape['context']}"
+        )
+    return mesh
+
+
 class StepRunner:
     """`train_step` on a fixed (model, optimizer) with the graph traversed once.
 
@@ -404,7 +445,8 @@ class StepRunner:
     value, so an interruption never leaves a model half a step ahead.
     """
 
-    def __init__(self, model: Model, optimizer: nnx.Optimizer):
+    def __init__(self, model: Model, optimizer: nnx.Optimizer, mesh: Mesh | None = None):
+        self.mesh = check_mesh(mesh)
         self.graphdef, state = nnx.split((model, optimizer))
         flat = nnx.to_flat_state(state)
         self.paths = tuple(flat.paths)
@@ -415,10 +457,28 @@ class StepRunner:
         }
         self.variables = [by_path[path] for path in self.paths]
         self.step = _compiled_step(self.graphdef, self.paths)
+        if self.mesh is not None:
+            # Data parallelism: the state replicated on every device of the mesh, each batch
+            # split over its 'data' axis; jit partitions the step (the gradient's mean becomes an
+            # all-reduce) and keeps the donated state where it is.
+            self.replicated = NamedSharding(self.mesh, PartitionSpec())
+            self.split = NamedSharding(self.mesh, PartitionSpec("data"))
+            for variable in self.variables:
+                value = variable.get_raw_value()
+                if isinstance(value, jax.Array):
+                    variable.set_raw_value(jax.device_put(value, self.replicated))
 
     def __call__(
         self, tokens, targets, loss_mask, *, dense: bool, indexer_kl_weight: float
     ) -> dict[str, jax.Array]:
+        if self.mesh is not None:
+            n_data = self.mesh.shape["data"]
+            if tokens.shape[0] % n_data:
+                raise ValueError(
+                    f"batch: expected a batch size divisible by the mesh's data={n_data}, got "
+                    f"{tokens.shape[0]}"
+                )
+            tokens, targets, loss_mask = jax.device_put((tokens, targets, loss_mask), self.split)
         with rundir.deferred_interrupts():
             values, metrics = self.step(
                 [v.get_raw_value() for v in self.variables],
@@ -446,18 +506,21 @@ def train_steps(
     start: int,
     end: int,
     on_step: StepHook | None = None,
+    *,
+    mesh: Mesh | None = None,
 ) -> int:
     """The training loop: steps `start`..`end`−1, step k on batch (cfg.seed, k) in its stage
     (`cfg.dense_at(k)`), so a resumed run sees exactly the data of an uninterrupted one.
 
     `run` drives it with logging, evaluation and checkpoints in `on_step`; a study that needs
     another loop (timing every step, evaluating on its own schedule) passes its own hook.
+    `mesh` (`make_mesh`): train data-parallel over its devices.
 
     Returns:
       the number of steps done (`end`, or where `on_step` stopped the loop).
     """
     done = start
-    step_fn = StepRunner(model, optimizer)
+    step_fn = StepRunner(model, optimizer, mesh)
     for step in range(start, end):
         batch = task.batch_at(cfg.seed, step, cfg.batch_size)
         metrics = step_fn(
@@ -632,7 +695,9 @@ class _Run:
             rundir.save(self.manager, done, self.model, self.optimizer)
         self.bar.update(1)
 
-    def train(self, end: int, *, log_every: int, max_seconds: float | None) -> int:
+    def train(
+        self, end: int, *, log_every: int, max_seconds: float | None, mesh: Mesh | None = None
+    ) -> int:
         """Steps start..end−1 with their records and checkpoints; returns the steps done."""
         clock = time.perf_counter()
 
@@ -643,7 +708,14 @@ class _Run:
 
         try:
             done = train_steps(
-                self.model, self.optimizer, self.cfg, self.task, self.start, end, after_step
+                self.model,
+                self.optimizer,
+                self.cfg,
+                self.task,
+                self.start,
+                end,
+                after_step,
+                mesh=mesh,
             )
         except KeyboardInterrupt:
             self.save_interrupted()
@@ -705,6 +777,7 @@ def run(
     stop_after: int | None = None,
     max_seconds: float | None = None,
     log_every: int = 10,
+    mesh: Mesh | None = None,
 ) -> dict:
     """Trains `cfg` in `run_dir` (config.json, metrics.jsonl, checkpoints/, training.png).
 
@@ -724,6 +797,8 @@ def run(
         this long; `resume` continues from there. The result then depends on the machine's
         speed, which `stopped_early` reports.
       log_every: steps between training-metric records.
+      mesh: train data-parallel over this mesh's devices (`make_mesh`); the result equals the
+        one-device run's within float tolerance (the gradient's sum is taken in another order).
 
     Returns:
       the final evaluation (see `evaluate.evaluate`) plus 'step', 'stopped_early' (the step or
@@ -734,6 +809,11 @@ def run(
       steps it trained now).
     """
     check_run_arguments(log_every=log_every, stop_after=stop_after, max_seconds=max_seconds)
+    if check_mesh(mesh) is not None and cfg.batch_size % mesh.shape["data"]:
+        raise ValueError(
+            f"TrainConfig.batch_size: expected a multiple of the mesh's data={mesh.shape['data']}, "
+            f"got {cfg.batch_size}"
+        )
     run_dir = Path(run_dir)
     held = rundir.prepare(run_dir, cfg.to_json(), resume)
     with rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints) as manager:
@@ -743,7 +823,7 @@ def run(
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         if state.converged:  # a resumed run that had met its convergence rule: nothing to train
             end = state.start
-        step = state.train(end, log_every=log_every, max_seconds=max_seconds)
+        step = state.train(end, log_every=log_every, max_seconds=max_seconds, mesh=mesh)
     return state.finish(step)
 
 

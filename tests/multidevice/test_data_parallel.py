@@ -1,0 +1,136 @@
+"""Data-parallel training over a mesh equals training on one device (issue 15).
+
+Runs on 8 devices: `tests/test_multidevice.py` starts it with 8 simulated CPU devices.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from v41jax import train
+
+if jax.device_count() < 8:
+    raise RuntimeError(
+        "tests/multidevice needs 8 devices: run it through tests/test_multidevice.py"
+    )
+
+# Four layers (window; Full and candidate source; Reindex; Reuse), a pool that bites at 64
+# tokens; one dense warm-up step, then sparse, so both stages run sharded.
+CFG = train.TrainConfig(
+    task="mqar",
+    steps=3,
+    batch_size=8,
+    lr_warmup_steps=1,
+    dense_warmup_steps=1,
+    eval_every=3,
+    eval_batches=1,
+    checkpoint_every=3,
+    task_overrides={"seq_len": 64, "n_pairs": 4, "n_queries": 2},
+    model_overrides={
+        "n_layers": 4,
+        "compress_ratios": (0, 1, 1, 1),
+        "kv_source_layers": (1,),
+        "index_source_layers": (1, 2),
+        "candidate_source_layer": 1,
+        "candidate_topk_blocks": 2,
+        "index_topk": 8,
+        "kv_format": "f32",
+    },
+)
+
+
+# Adam divides each gradient element by its own magnitude, so an element whose gradient is near 0
+# turns a float-level difference of the sharded sum into a visible one (at most 2·lr a step);
+# parameters after 3 steps agree to 1e-4 where the updates are ~1e-2. Gradients agree tighter.
+ADAM_ATOL = 1e-4
+
+
+def _grads(mesh):
+    """The first batch's gradient of the sparse-stage loss, the batch split over `mesh`."""
+    model, _ = train.build(CFG)
+    b = CFG.make_task().batch_at(CFG.seed, 0, CFG.batch_size)
+    batch = tuple(jnp.asarray(x) for x in (b.tokens, b.targets, b.loss_mask))
+    if mesh is not None:
+        batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def grads(state, tokens, targets, mask):
+        def loss(m):
+            return train.loss_fn(m, tokens, targets, mask, dense=False, indexer_kl_weight=1.0)[0]
+
+        return nnx.grad(loss)(nnx.merge(graphdef, state))
+
+    flat = nnx.to_flat_state(grads(state, *batch))
+    return {p: np.asarray(v.get_value()) for p, v in flat}
+
+
+def test_a_data_parallel_gradient_equals_the_one_device_gradient():
+    want = _grads(None)
+    scale = max(np.abs(g).max() for g in want.values())
+    for n_data in (2, 8):
+        got = _grads(train.make_mesh({"data": n_data}))
+        assert got.keys() == want.keys()
+        for path, g in got.items():
+            np.testing.assert_allclose(
+                g, want[path], rtol=1e-4, atol=1e-5 * scale, err_msg=str(path)
+            )
+
+
+def _train(mesh):
+    model, optimizer = train.build(CFG)
+    metrics = []
+    train.train_steps(
+        model, optimizer, CFG, CFG.make_task(), 0, CFG.steps,
+        lambda done, m: metrics.append(jax.device_get(m)), mesh=mesh,
+    )  # fmt: skip
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {p: np.asarray(v.get_value()) for p, v in params}, metrics, model
+
+
+@pytest.fixture(scope="module")
+def alone():
+    return _train(None)
+
+
+@pytest.mark.parametrize("n_data", [2, 8])
+def test_a_data_parallel_step_equals_the_one_device_step(alone, n_data):
+    want_params, want_metrics, _ = alone
+    params, metrics, model = _train(train.make_mesh({"data": n_data}))
+    for got, want in zip(metrics, want_metrics, strict=True):
+        for name in ("loss", "task_loss", "indexer_kl", "grad_norm"):
+            np.testing.assert_allclose(got[name], want[name], rtol=5e-4, atol=1e-6, err_msg=name)
+    assert params.keys() == want_params.keys()
+    for path, value in params.items():
+        np.testing.assert_allclose(
+            value, want_params[path], rtol=1e-4, atol=ADAM_ATOL, err_msg=str(path)
+        )
+    # The state stayed replicated over the mesh's devices.
+    some = nnx.to_flat_state(nnx.state(model, nnx.Param))[0][1].get_value()
+    assert len(some.sharding.device_set) == n_data and some.sharding.is_fully_replicated
+
+
+def test_a_run_on_a_mesh_evaluates_and_checkpoints(alone, tmp_path):
+    result = train.run(CFG, tmp_path / "run", progress=False, mesh=train.make_mesh({"data": 4}))
+    single = train.run(CFG, tmp_path / "single", progress=False)
+    assert result["step"] == single["step"] == CFG.steps
+    np.testing.assert_allclose(result["task_loss"], single["task_loss"], rtol=1e-4)
+    _, loaded = train.load(tmp_path / "run")  # the checkpoint reads back on one device
+    for path, value in nnx.to_flat_state(nnx.state(loaded, nnx.Param)):
+        np.testing.assert_allclose(
+            value.get_value(), alone[0][path], rtol=1e-4, atol=ADAM_ATOL, err_msg=str(path)
+        )
+
+
+def test_meshes_the_trainer_cannot_use_are_refused():
+    with pytest.raises(ValueError, match=r"context parallelism .* not built yet"):
+        train.make_mesh({"data": 2, "context": 2})
+    with pytest.raises(ValueError, match=r"mesh: expected axes among \('data', 'context'\)"):
+        train.make_mesh({"model": 2})
+    with pytest.raises(ValueError, match="needs 16 devices, got 8"):
+        train.make_mesh({"data": 16})
+    with pytest.raises(ValueError, match=r"TrainConfig.batch_size: expected a multiple .* data=8"):
+        train.run(CFG.replace(batch_size=4), "unused", mesh=train.make_mesh({"data": 8}))
