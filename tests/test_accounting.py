@@ -211,3 +211,35 @@ def test_parse_context_rejects(text):
 def test_indexer_cost_rejects_bad_context():
     with pytest.raises(ValueError, match=r"context: expected a positive int, got 0"):
         accounting.indexer_cost(config.tiny(), 0)
+
+
+@pytest.mark.parametrize("preset", ["v41_flash", "small", "tiny"])
+def test_sequence_sharded_traffic(preset):
+    c = config.preset(preset)
+    plan = config.layer_plan(c)
+    context = 2**20
+    assert accounting.sharded_traffic(c, context, 1).decode_total == 0
+    assert accounting.sharded_traffic(c, context, 1).train_total == 0
+    selecting = [p for p in plan if p.topk_source == p.layer]
+    pairs = {(p.kv_source, p.topk_source) for p in plan if p.kv_source is not None}
+    main = accounting.main_row_bytes(c)
+    for n in (2, 8, 512):
+        t = accounting.sharded_traffic(c, context, n)
+        remote = Fraction(n - 1, n)
+        # The all-gather moves every stored global-KV byte but the device's own slice: the
+        # seed's bytes per token (890 B for V4.1-Flash) times the context.
+        gather = sum(x.train_gather for x in t.layers)
+        assert gather == accounting.kv_bytes_per_token(c).total * context * remote
+        # Every selecting layer merges n - 1 lists of index_topk pairs; the candidate source
+        # also n - 1 lists of its blocks.
+        merge = sum(x.decode_topk for x in t.layers)
+        lists = len(selecting) * c.index_topk + c.candidate_topk_blocks
+        assert merge == (n - 1) * lists * accounting.PAIR_BYTES
+        # Remote rows: once per distinct (KV source, top-k source), n - 1 of n of the picks.
+        rows = sum(x.decode_rows for x in t.layers)
+        assert rows == len(pairs) * remote * c.index_topk * main
+        assert t.decode_total == merge + rows
+        reuse = [x for x in t.layers if x.role is Role.REUSE]
+        assert all(x.train_gather == x.train_scatter == 0 for x in reuse)
+    with pytest.raises(ValueError, match="n_devices: expected a positive int"):
+        accounting.sharded_traffic(c, context, 0)

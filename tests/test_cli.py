@@ -257,3 +257,11 @@ def test_seeds_option_errors(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["train", "--seeds", "0-1", "--group-size", "0"])
     assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_bytes_devices_prints_the_sharded_traffic(capsys):
+    out = run(capsys, "bytes", "--devices", "8")
+    assert "sharded by position over 8 devices" in out and "train: reduce-scatter" in out
+    assert "candidate source" in out.split("sharded by position")[1]
+    out = run(capsys, "bytes", "--preset", "tiny", "--context", "64K", "--devices", "2")
+    assert "tiny: bytes one device receives" in out

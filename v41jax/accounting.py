@@ -334,6 +334,128 @@ def indexer_cost(config: ModelConfig, context: int = DEFAULT_CONTEXT) -> Indexer
     )
 
 
+# --------------------------------------------------------------------------- sharded traffic
+
+PAIR_BYTES = 8  # one (score float32, position or block id int32) pair of a local top-k
+GRAD_BYTES = 2  # a bf16 gradient element
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTraffic:
+    """What one layer moves between devices when every sequence is sharded by position over
+    `n_devices` devices (contiguous slices; issue 15), in bytes received by one device.
+
+    Decode (per decoded token of one sequence, the query's device):
+      decode_topk: the merge of the devices' local top-k lists, (n − 1) lists of PAIR_BYTES
+        pairs: the `index_topk` positions of a layer that selects (FULL, REINDEX) and, at the
+        candidate source, its `candidate_topk_blocks` blocks too. The merge is exact
+        (`ops.pool.sharded_candidate_blocks`).
+      decode_rows: the selected main-KV rows that live on other devices, read packed:
+        (n − 1)/n of `index_topk` rows in expectation, once per distinct (KV source, top-k
+        source) pair: a REUSE layer attends to the rows its sources' layer already fetched.
+    Training (per step, per sequence of `context` tokens, every device alike):
+      train_gather: the all-gather of the compressed KV (packed rows, as stored) and of the
+        index keys a source publishes: (n − 1)/n of its context / ratio rows;
+      train_scatter: the reduce-scatter of their gradients in bf16, the same rows;
+      train_halo: the window's halo, `window_size` bf16 KV rows from the previous device, and
+        their gradient back (every layer with a window: all of them).
+    """
+
+    layer: int
+    role: Role
+    compress_ratio: int
+    is_candidate_source: bool
+    uses_candidates: bool
+    decode_topk: Fraction
+    decode_rows: Fraction
+    train_gather: Fraction
+    train_scatter: Fraction
+    train_halo: Fraction
+
+    @property
+    def decode_total(self) -> Fraction:
+        return self.decode_topk + self.decode_rows
+
+    @property
+    def train_total(self) -> Fraction:
+        return self.train_gather + self.train_scatter + self.train_halo
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedTraffic:
+    """`sharded_traffic`'s result: one `LayerTraffic` per layer and the totals."""
+
+    context: int
+    n_devices: int
+    layers: tuple[LayerTraffic, ...]
+
+    @property
+    def decode_total(self) -> Fraction:
+        return sum((x.decode_total for x in self.layers), Fraction(0))
+
+    @property
+    def train_total(self) -> Fraction:
+        return sum((x.train_total for x in self.layers), Fraction(0))
+
+
+def sharded_traffic(
+    config: ModelConfig, context: int = DEFAULT_CONTEXT, n_devices: int = 8
+) -> ShardedTraffic:
+    """Bytes each layer sends between devices when sequences are sharded by position over
+    `n_devices` (see `LayerTraffic` for what each field counts and why). The decode figures
+    are per decoded token and sequence; the training ones per step and sequence of `context`
+    tokens. Computed from the config's layer plan and packed row sizes; nothing typed in."""
+    if not isinstance(context, int) or context <= 0:
+        raise ValueError(f"sharded_traffic: context: expected a positive int, got {context!r}")
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+        raise ValueError(f"sharded_traffic: n_devices: expected a positive int, got {n_devices!r}")
+    n = n_devices
+    remote = Fraction(n - 1, n)
+    main, index = main_row_bytes(config), index_row_bytes(config)
+    rows_fetched: set[tuple[int | None, int | None]] = set()
+    out = []
+    for p in layer_plan(config):
+        topk = Fraction(0)
+        if p.topk_source == p.layer:  # FULL and REINDEX layers select their own top-k
+            pairs = config.index_topk + (
+                config.candidate_topk_blocks if p.is_candidate_source else 0
+            )
+            topk = Fraction((n - 1) * pairs * PAIR_BYTES)
+        rows = Fraction(0)
+        if p.kv_source is not None and (p.kv_source, p.topk_source) not in rows_fetched:
+            rows_fetched.add((p.kv_source, p.topk_source))
+            selected = (
+                config.index_topk if p.topk_source is not None else context // p.compress_ratio
+            )
+            rows = remote * selected * main
+        gather = scatter = Fraction(0)
+        if p.kv_source == p.layer:
+            entries = Fraction(context, p.compress_ratio)
+            gather += remote * entries * main
+            scatter += remote * entries * config.head_dim * GRAD_BYTES
+            if p.index_key_source == p.layer:
+                gather += remote * entries * index
+                scatter += remote * entries * config.index_head_dim * GRAD_BYTES
+        halo = Fraction(0)
+        if n > 1 and config.window_size:
+            halo = Fraction(2 * config.window_size * config.head_dim * GRAD_BYTES)
+        out.append(
+            LayerTraffic(
+                layer=p.layer,
+                role=p.role,
+                compress_ratio=p.compress_ratio,
+                is_candidate_source=p.is_candidate_source,
+                uses_candidates=p.uses_candidates,
+                decode_topk=topk,
+                decode_rows=rows,
+                train_gather=gather,
+                train_scatter=scatter,
+                train_halo=halo,
+            )
+        )
+    return ShardedTraffic(context=context, n_devices=n, layers=tuple(out))
+
+
 # --------------------------------------------------------------------------- context lengths
 
 _SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}

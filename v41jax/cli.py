@@ -42,6 +42,16 @@ def _bytes(args: argparse.Namespace) -> int:
         text = tables.render_seed_report(context, per_layer=per_layer)
     else:
         text = tables.render_config(args.preset, preset(args.preset), context, per_layer)
+    if args.devices is not None:
+        if args.devices < 1:
+            print(
+                f"v41jax bytes: error: --devices: expected N >= 1, got {args.devices}",
+                file=sys.stderr,
+            )
+            return 2
+        name = args.preset or "v41_flash"
+        traffic = tables.render_sharded_traffic(name, preset(name), context, args.devices)
+        text = text + "\n\n" + traffic
     print(text)
     return 0
 
@@ -273,6 +283,14 @@ def _add_bytes_arguments(parser: argparse.ArgumentParser) -> None:
         help="print one preset's tables instead of the seed's V4.1-Flash vs V4-Flash comparison",
     )
     parser.add_argument("--per-layer", action="store_true", help="add a row for every layer")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="also the bytes each device receives with sequences sharded by position over N "
+        "devices: per decoded token (top-k merges, remote KV rows) and per training step "
+        "(all-gathers, reduce-scatters, window halos)",
+    )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
 
 

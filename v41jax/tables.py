@@ -30,6 +30,7 @@ from v41jax.accounting import (
     indexer_cost,
     kv_bytes_per_token,
     main_row_bytes,
+    sharded_traffic,
     storage_steps,
     window_bytes_per_sequence,
     window_row_bytes,
@@ -326,6 +327,69 @@ def render_indexer(title: str, config: ModelConfig, context: int) -> str:
             f"{config.candidate_block_size} = {cost.candidate_pool_size:,} positions",
             _table(header, rows),
             _fields(fields),
+        ]
+    )
+
+
+def render_sharded_traffic(title: str, config: ModelConfig, context: int, devices: int) -> str:
+    """Bytes a device receives with every sequence sharded by position over `devices` devices:
+    per decoded token (the query's device) and per training step (each device), by layer kind
+    (`accounting.sharded_traffic`)."""
+    traffic = sharded_traffic(config, context, devices)
+
+    def b(x) -> str:
+        return _si_bytes(x) if x else "0"
+
+    rows = []
+    for group in _groups(
+        traffic.layers,
+        lambda x: (x.role, x.compress_ratio, x.decode_topk, x.decode_rows, x.train_total),
+    ):
+        first, n = group[0], len(group)
+        each = " each" if n > 1 else ""
+        rows.append(
+            [
+                _group_label(group),
+                b(first.decode_topk) + each,
+                b(first.decode_rows) + each,
+                b(first.train_gather) + each,
+                b(first.train_scatter) + each,
+                b(first.train_halo) + each,
+            ]
+        )
+    decode_topk = sum(x.decode_topk for x in traffic.layers)
+    decode_rows = sum(x.decode_rows for x in traffic.layers)
+    rows.append(
+        [
+            "total",
+            b(decode_topk),
+            b(decode_rows),
+            b(sum(x.train_gather for x in traffic.layers)),
+            b(sum(x.train_scatter for x in traffic.layers)),
+            b(sum(x.train_halo for x in traffic.layers)),
+        ]
+    )
+    header = [
+        "layers",
+        "decode: top-k merge",
+        "decode: remote rows",
+        "train: all-gather",
+        "train: reduce-scatter",
+        "train: halo",
+    ]
+    return "\n".join(
+        [
+            f"{title}: bytes one device receives, sequences sharded by position over {devices} "
+            f"devices, at {format_context(context)} tokens of context",
+            "  decode: per decoded token and sequence; train: per step and sequence "
+            "(accounting.LayerTraffic says what each column counts)",
+            _table(header, rows),
+            _fields(
+                [
+                    ("decode", [f"{_si_bytes(traffic.decode_total)} per token and sequence"]),
+                    ("train", [f"{_si_bytes(traffic.train_total)} per step and sequence"]),
+                ]
+            ),
         ]
     )
 
