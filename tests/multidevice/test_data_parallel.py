@@ -17,35 +17,7 @@ if jax.device_count() < 8:
         "tests/multidevice needs 8 devices: run it through tests/test_multidevice.py"
     )
 
-# Four layers (window; Full and candidate source; Reindex; Reuse), a pool that bites at 64
-# tokens; one dense warm-up step, then sparse, so both stages run sharded.
-CFG = train.TrainConfig(
-    task="mqar",
-    steps=3,
-    batch_size=8,
-    lr_warmup_steps=1,
-    dense_warmup_steps=1,
-    eval_every=3,
-    eval_batches=1,
-    checkpoint_every=3,
-    task_overrides={"seq_len": 64, "n_pairs": 4, "n_queries": 2},
-    model_overrides={
-        "n_layers": 4,
-        "compress_ratios": (0, 1, 1, 1),
-        "kv_source_layers": (1,),
-        "index_source_layers": (1, 2),
-        "candidate_source_layer": 1,
-        "candidate_topk_blocks": 2,
-        "index_topk": 8,
-        "kv_format": "f32",
-    },
-)
-
-
-# Adam divides each gradient element by its own magnitude, so an element whose gradient is near 0
-# turns a float-level difference of the sharded sum into a visible one (at most 2·lr a step);
-# parameters after 3 steps agree to 1e-4 where the updates are ~1e-2. Gradients agree tighter.
-ADAM_ATOL = 1e-4
+from tests.multidevice._shared import ADAM_ATOL, CFG
 
 
 def _grads(mesh):
