@@ -216,6 +216,23 @@ def test_a_run_stops_once_its_final_stage_meets_the_convergence_rule(tmp_path, m
         SMOKE.replace(converge_evals=0)
 
 
+def test_a_run_written_before_newer_fields_still_resumes(tmp_path):
+    # A run directory from before adam_b2, the convergence rule and init_from existed: its
+    # config.json lacks them, and it trained with optax's b2 = 0.999.
+    old = SMOKE.replace(steps=3, adam_b2=0.999)
+    train.run(old, tmp_path / "run", progress=False, stop_after=2)
+    path = tmp_path / "run" / "config.json"
+    saved = json.loads(path.read_text())
+    for field in train.trainer.LEGACY_FIELDS:
+        del saved[field]
+    path.write_text(json.dumps(saved))
+    assert train.TrainConfig.from_json(saved) == old
+    result = train.run(old, tmp_path / "run", progress=False, resume=True)
+    assert result["step"] == 3 and result["resumed_from"] == 2
+    with pytest.raises(train.RunDirectoryError, match=r"adam_b2.: \(0\.999, 0\.95\)"):
+        train.run(old.replace(adam_b2=0.95), tmp_path / "run", progress=False, resume=True)
+
+
 def test_ctrl_c_saves_a_checkpoint(tmp_path, monkeypatch):
     real_step = train.StepRunner.__call__
     calls = []

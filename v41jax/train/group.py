@@ -268,7 +268,7 @@ def run_seeds(
             "which holds a single run; choose another directory"
         )
     for cfg in (cfg for group in groups for cfg in group):
-        rundir.check(seed_dir(run_dir, cfg.seed), cfg.to_json(), resume)
+        rundir.check(seed_dir(run_dir, cfg.seed), cfg.to_json(), resume, trainer.LEGACY_FIELDS)
     options = dict(
         resume=resume,
         progress=progress,
@@ -301,7 +301,10 @@ def _run_group(
     log_every: int,
 ) -> list[dict]:
     dirs = [seed_dir(run_dir, cfg.seed) for cfg in cfgs]
-    held = [rundir.prepare(d, cfg.to_json(), resume) for cfg, d in zip(cfgs, dirs, strict=True)]
+    held = [
+        rundir.prepare(d, cfg.to_json(), resume, trainer.LEGACY_FIELDS)
+        for cfg, d in zip(cfgs, dirs, strict=True)
+    ]
     end = cfgs[0].steps if stop_after is None else min(cfgs[0].steps, stop_after)
     with contextlib.ExitStack() as stack:
         states = []

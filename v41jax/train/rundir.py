@@ -84,9 +84,11 @@ def truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in kept))
 
 
-def check(run_dir: Path, config: dict, resume: bool) -> bool:
+def check(run_dir: Path, config: dict, resume: bool, legacy: dict | None = None) -> bool:
     """`prepare`'s checks alone, writing nothing: whether `run_dir` holds a run of `config`
-    (its JSON); RunDirectoryError when it cannot be used as asked."""
+    (its JSON); RunDirectoryError when it cannot be used as asked. `legacy` maps fields added
+    after some runs were written to the value those runs trained with: a saved config without
+    such a field matches a requested one holding that value."""
     config_path, partial = run_dir / CONFIG, run_dir / _PARTIAL_CONFIG
     config = json.loads(json.dumps(config))  # as saved: a tuple reads back as a list
     if run_dir.exists() and not run_dir.is_dir():
@@ -111,6 +113,8 @@ def check(run_dir: Path, config: dict, resume: bool) -> bool:
         saved = json.loads(config_path.read_text())
     except json.JSONDecodeError:
         raise RunDirectoryError(f"{config_path} is not JSON; nothing was changed") from None
+    for key, value in (legacy or {}).items():
+        saved.setdefault(key, value)
     if saved != config:
         diff = {k: (saved.get(k), config.get(k)) for k in config if saved.get(k) != config[k]}
         raise RunDirectoryError(
@@ -122,14 +126,14 @@ def check(run_dir: Path, config: dict, resume: bool) -> bool:
     return True
 
 
-def prepare(run_dir: Path, config: dict, resume: bool) -> bool:
+def prepare(run_dir: Path, config: dict, resume: bool, legacy: dict | None = None) -> bool:
     """Checks `run_dir` for a run of `config` (its JSON), then creates it if it is new.
 
     Returns whether it already held that run. Every check runs before anything is written:
     a directory holding other files, a run of another config, a run without `resume`, or an
     unreadable metrics file raise `RunDirectoryError` and leave the directory untouched.
     """
-    if check(run_dir, config, resume):
+    if check(run_dir, config, resume, legacy):
         return True
     partial = run_dir / _PARTIAL_CONFIG
     try:

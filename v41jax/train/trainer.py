@@ -235,7 +235,7 @@ class TrainConfig:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"TrainConfig: unknown fields {unknown} (saved by another version?)")
-        return cls(**data)
+        return cls(**(LEGACY_FIELDS | data))  # a field the saved run predates: its old value
 
     @classmethod
     def smoke(cls, **changes) -> TrainConfig:
@@ -250,6 +250,12 @@ class TrainConfig:
             eval_batches=1,
             checkpoint_every=2,
         ).replace(**changes)
+
+
+LEGACY_FIELDS = {"adam_b2": 0.999, "converge_accuracy": 0.0, "converge_evals": 2, "init_from": ""}
+"""`TrainConfig` fields added after run directories were written, with the value such a run
+trained with (optax's b2, no convergence rule, a fresh initialization): a saved config.json
+without them resumes under a config that holds these values (`rundir.check`)."""
 
 
 def make_config(
@@ -815,7 +821,7 @@ def run(
             f"got {cfg.batch_size}"
         )
     run_dir = Path(run_dir)
-    held = rundir.prepare(run_dir, cfg.to_json(), resume)
+    held = rundir.prepare(run_dir, cfg.to_json(), resume, LEGACY_FIELDS)
     with rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints) as manager:
         state = _Run(cfg, run_dir, manager, progress=progress)
         if held and not state.start:
