@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests._models import FOUR_LAYER_TRAIN, TRAIN_TASK
 from v41jax import train
 from v41jax.train import rundir
 
@@ -27,16 +28,8 @@ CFG = train.TrainConfig(
     eval_every=2,
     eval_batches=1,
     checkpoint_every=2,
-    task_overrides={"seq_len": 64, "n_pairs": 4, "n_queries": 2},
-    model_overrides={
-        "n_layers": 4,
-        "compress_ratios": (0, 1, 1, 1),
-        "kv_source_layers": (1,),
-        "index_source_layers": (1, 2),
-        "candidate_source_layer": 1,
-        "candidate_topk_blocks": 2,
-        "index_topk": 8,
-    },
+    task_overrides=TRAIN_TASK,
+    model_overrides=FOUR_LAYER_TRAIN,
 )
 SEEDS = (1, 0)  # seed 1 first: a seed's place in the group is not its seed
 OPTIONS = dict(progress=False, log_every=1)

@@ -1,5 +1,6 @@
 """What the multi-device tests share (no device count needed to import it)."""
 
+from tests._models import FOUR_LAYER_TRAIN, TRAIN_TASK
 from v41jax import train
 
 # Four layers (window; Full and candidate source; Reindex; Reuse), a pool that bites at 64
@@ -13,17 +14,8 @@ CFG = train.TrainConfig(
     eval_every=3,
     eval_batches=1,
     checkpoint_every=3,
-    task_overrides={"seq_len": 64, "n_pairs": 4, "n_queries": 2},
-    model_overrides={
-        "n_layers": 4,
-        "compress_ratios": (0, 1, 1, 1),
-        "kv_source_layers": (1,),
-        "index_source_layers": (1, 2),
-        "candidate_source_layer": 1,
-        "candidate_topk_blocks": 2,
-        "index_topk": 8,
-        "kv_format": "f32",
-    },
+    task_overrides=TRAIN_TASK,
+    model_overrides={**FOUR_LAYER_TRAIN, "kv_format": "f32"},
 )
 
 
