@@ -1,6 +1,8 @@
-"""Small model configs that several test files share."""
+"""What several test files share: small model configs and a fake evaluation."""
 
+from v41jax import train
 from v41jax.nn import config as config_lib
+from v41jax.train import evaluate
 
 
 def four_layer_f32(**changes) -> config_lib.ModelConfig:
@@ -40,3 +42,15 @@ FOUR_LAYER_TRAIN = {
     "index_topk": 8,
 }
 TRAIN_TASK = {"seq_len": 64, "n_pairs": 4, "n_queries": 2}
+
+
+def fake_evaluations(monkeypatch, sparse_accuracies: dict[int, list[float]]) -> None:
+    """Replaces the trainer's evaluation: dense ones score 0.95, sparse ones of seed s the next
+    value of sparse_accuracies[s] (what the convergence rule reads), losses 0."""
+    queues = {s: list(v) for s, v in sparse_accuracies.items()}
+
+    def fake(model, task, *, seed, batches, batch_size, dense):
+        accuracy = 0.95 if dense else queues[seed - train.EVAL_SEED_OFFSET].pop(0)
+        return {"accuracy": accuracy, "task_loss": 0.0}
+
+    monkeypatch.setattr(evaluate, "evaluate", fake)

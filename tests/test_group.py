@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._models import FOUR_LAYER_TRAIN, TRAIN_TASK
+from tests._models import FOUR_LAYER_TRAIN, TRAIN_TASK, fake_evaluations
 from v41jax import train
 from v41jax.train import rundir
 
@@ -252,17 +252,9 @@ def test_the_group_loop_hands_each_seed_its_batch_stage_and_start():
 
 
 def test_a_group_stops_once_every_seed_meets_the_convergence_rule(tmp_path, monkeypatch):
-    from v41jax.train import evaluate
-
     cfgs = [c.replace(eval_every=1, converge_accuracy=0.5, converge_evals=1) for c in _group()]
     # Seed 1 meets the rule at step 1, seed 0 at step 2: the group stops after step 2 of 4.
-    queues = {1: [0.9, 0.9, 0.9], 0: [0.1, 0.9, 0.9]}
-
-    def fake(model, task, *, seed, batches, batch_size, dense):
-        accuracy = 0.95 if dense else queues[seed - train.EVAL_SEED_OFFSET].pop(0)
-        return {"accuracy": accuracy, "task_loss": 0.0}
-
-    monkeypatch.setattr(evaluate, "evaluate", fake)
+    fake_evaluations(monkeypatch, {1: [0.9, 0.9, 0.9], 0: [0.1, 0.9, 0.9]})
     results = train.run_seeds(cfgs, tmp_path / "group", group_size=2, **OPTIONS)
     assert [r["step"] for r in results] == [2, 2]
     assert all(r["converged"] and not r["stopped_early"] for r in results)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests._models import fake_evaluations
 from v41jax import train
 from v41jax.train import evaluate
 
@@ -179,23 +180,11 @@ def test_init_from_starts_a_stage_from_the_weights_of_another_run(tmp_path):
         SMOKE.replace(init_from=3)
 
 
-def _fake_evaluations(monkeypatch, sparse_accuracies: dict[int, list[float]]):
-    """Replaces the evaluation: dense ones score 0.95, sparse ones of seed s the next value of
-    sparse_accuracies[s] (what the convergence rule reads), losses 0."""
-    queues = {s: list(v) for s, v in sparse_accuracies.items()}
-
-    def fake(model, task, *, seed, batches, batch_size, dense):
-        accuracy = 0.95 if dense else queues[seed - train.EVAL_SEED_OFFSET].pop(0)
-        return {"accuracy": accuracy, "task_loss": 0.0}
-
-    monkeypatch.setattr(evaluate, "evaluate", fake)
-
-
 def test_a_run_stops_once_its_final_stage_meets_the_convergence_rule(tmp_path, monkeypatch):
     cfg = SMOKE.replace(eval_every=1, dense_warmup_steps=2, converge_accuracy=0.5, converge_evals=2)
     # Evaluations at steps 1..6; step 1 is dense (not counted); sparse from step 2:
     # 0.6, 0.3, 0.7, 0.8 -> the last two reach 0.5 after step 5.
-    _fake_evaluations(monkeypatch, {cfg.seed: [0.6, 0.3, 0.7, 0.8, 0.9, 0.9]})
+    fake_evaluations(monkeypatch, {cfg.seed: [0.6, 0.3, 0.7, 0.8, 0.9, 0.9]})
     result = train.run(cfg, tmp_path / "run", progress=False, log_every=1)
     assert result["step"] == 5 and result["converged"] and not result["stopped_early"]
     assert (tmp_path / "run" / "checkpoints" / "5").exists()  # not a checkpoint_every step

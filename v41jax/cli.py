@@ -110,12 +110,7 @@ def _train(args: argparse.Namespace) -> int:
             )
             return 2
         try:
-            mesh = train.make_mesh(args.mesh)
-            if cfg.batch_size % mesh.shape["data"]:
-                raise ValueError(
-                    f"expected a --batch-size divisible by data={mesh.shape['data']}, got "
-                    f"{cfg.batch_size}"
-                )
+            mesh = train.check_mesh(train.make_mesh(args.mesh), cfg.batch_size)
         except ValueError as err:
             print(f"v41jax train: error: --mesh: {err}", file=sys.stderr)
             return 2

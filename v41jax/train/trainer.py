@@ -427,8 +427,9 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     return check_mesh(Mesh(grid, MESH_AXES))
 
 
-def check_mesh(mesh: Mesh | None) -> Mesh | None:
-    """`mesh` if the trainer can use it (axes `MESH_AXES`, context 1), else ValueError."""
+def check_mesh(mesh: Mesh | None, batch_size: int | None = None) -> Mesh | None:
+    """`mesh` if the trainer can use it (axes `MESH_AXES`, context 1, and `batch_size`, when
+    given, a multiple of its data axis), else ValueError."""
     if mesh is None:
         return None
     if tuple(mesh.axis_names) != MESH_AXES:
@@ -437,6 +438,11 @@ def check_mesh(mesh: Mesh | None) -> Mesh | None:
         raise ValueError(
             "mesh: context parallelism (sharding each sequence) is not built yet; expected "
             f"context=1, got context={mesh.shape['context']}"
+        )
+    if batch_size is not None and batch_size % mesh.shape["data"]:
+        raise ValueError(
+            f"TrainConfig.batch_size: expected a multiple of the mesh's data={mesh.shape['data']}, "
+            f"got {batch_size}"
         )
     return mesh
 
@@ -620,15 +626,21 @@ class _Run:
         else:
             initialize_from(self.model, cfg)
         rundir.truncate_metrics(self.metrics_path, self.start)
-        self.evals = []  # (step, accuracy) of the recorded evaluations: the convergence rule's
-        if self.metrics_path.exists():
-            self.evals = [
-                (r["step"], r["accuracy"])
-                for r in rundir.read_metrics(self.metrics_path)
-                if r["split"] == "eval"
-            ]
+        records = rundir.read_metrics(self.metrics_path) if self.metrics_path.exists() else []
+        recorded = [r for r in records if r["split"] == "eval"]
+        # (step, accuracy) of the recorded evaluations: what the convergence rule reads.
+        self.evals = [(r["step"], r["accuracy"]) for r in recorded]
         self.unwritten = None  # the train metrics of the latest step, until recorded
-        self.result, self.evaluated_at = self._recorded_eval(self.start), self.start
+        # The eval record of the step a resumed run continues from, if it holds one.
+        self.result = next(
+            (
+                {k: v for k, v in r.items() if k not in ("step", "split")}
+                for r in recorded
+                if self.start and r["step"] == self.start
+            ),
+            None,
+        )
+        self.evaluated_at = self.start
         if self.result is None:
             self.evaluated_at = None
             if self.start and self.scheduled("eval", self.start):
@@ -640,15 +652,6 @@ class _Run:
     def scheduled(self, what: str, done: int, log_every: int = 0) -> bool:
         every = {"eval": self.cfg.eval_every, "train": log_every}[what]
         return done % every == 0 or done == self.cfg.steps
-
-    def _recorded_eval(self, step: int) -> dict | None:
-        """The eval record of `step` a resumed run already holds, or None."""
-        if not step or not self.metrics_path.exists():
-            return None
-        for r in rundir.read_metrics(self.metrics_path):
-            if r["split"] == "eval" and r["step"] == step:
-                return {k: v for k, v in r.items() if k not in ("step", "split")}
-        return None
 
     def evaluate(self, step: int, *, dense: bool | None = None, record: bool = True) -> dict:
         """Evaluates in the step's attention mode (kept as the run's result, and recorded when
@@ -815,11 +818,7 @@ def run(
       steps it trained now).
     """
     check_run_arguments(log_every=log_every, stop_after=stop_after, max_seconds=max_seconds)
-    if check_mesh(mesh) is not None and cfg.batch_size % mesh.shape["data"]:
-        raise ValueError(
-            f"TrainConfig.batch_size: expected a multiple of the mesh's data={mesh.shape['data']}, "
-            f"got {cfg.batch_size}"
-        )
+    check_mesh(mesh, cfg.batch_size)
     run_dir = Path(run_dir)
     held = rundir.prepare(run_dir, cfg.to_json(), resume, LEGACY_FIELDS)
     with rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints) as manager:
