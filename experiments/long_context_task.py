@@ -1,21 +1,24 @@
-"""Long-context retrieval where the pool must find the evidence: `small()` on scattered MQAR at
-4 K tokens, the candidate pool 1/16 of the compressed positions (issue 12, target 5).
+"""Long-context retrieval where the pool must find the evidence: `small()` on a 16-needle passkey
+at 4 K tokens, the candidate pool 1/16 of the compressed positions (issue 12, target 5).
 
-The recipe is a curriculum of two stages, each a `train.run` in its own run directory:
+The recipe is a length curriculum, each stage a `train.run` in its own run directory:
 
-  1. short: the same task at 512 tokens (pool 256 of 512 positions), dense attention with the
-     indexer KL loss, at each learning rate of `--short-lrs`: cheap steps in which the model
-     learns the retrieval circuit and the indexers learn to point at it;
-  2. long:  4 K tokens (pool 256 of 4,096: 1/16), started from the weights of the short run with
-     the best final accuracy (`TrainConfig.init_from`), a dense warm-up, then sparse training
-     with the candidate pool and Reindex top-k exactly as at inference.
+  1. short rungs (`--ladder`, default 128 then 512 tokens): dense attention with the indexer KL
+     loss. The first rung runs at each learning rate of `--short-lrs`; the run with the best
+     final accuracy seeds the next rung (`TrainConfig.init_from`, a fresh optimizer, its
+     learning rate). Short contexts are where the retrieval circuit forms quickly: the answer's
+     share of a uniform attention row is 1/T, and the plateau before the lookup is found grows
+     with T;
+  2. long: 4 K tokens (pool 256 of 4,096: 1/16) from the last rung's weights, a dense warm-up,
+     then sparse training with the candidate pool and Reindex top-k exactly as at inference.
 
-Every stage is defined by its steps; `--max-minutes` is a guard for one call on a lent machine:
-running the same command again resumes each stage where the guard stopped it and re-evaluates
-finished ones. The report (JSON) is rewritten after every stage, labelled partial until the
-last stage has all its steps. It holds each stage's config, summary (accuracy with the pool and
-dense, accuracy by distance bucket, pool recall against random / recent / oracle blocks) and
-its metrics history.
+Every stage stops on the convergence rule (`--converge-accuracy`, its last 2 evaluations) or at
+its step cap, so where it stops depends on seeds and data only; `--max-minutes` is a guard for
+one call on a lent machine: running the same command again resumes each stage where the guard
+stopped it and re-evaluates finished ones. The report (JSON) is rewritten after every stage,
+labelled partial until the long stage is done. It holds each stage's config, summary (accuracy
+with the pool and dense, accuracy by distance bucket, pool recall against random / recent /
+oracle blocks) and its metrics history.
 
     PYTHONPATH=. python3 experiments/long_context_task.py --out long_context_task_h200.json
     PYTHONPATH=. python3 experiments/long_context_task.py --smoke --out /tmp/lct.json  # CPU
@@ -56,8 +59,10 @@ TASKS = {
         vocab_size=512,
     ),
 }
-SHORT = dict(seq_len=512, batch_size=64, steps=300, lr_warmup_steps=30)
-LONG = dict(seq_len=4096, batch_size=8, steps=500, dense_warmup_steps=100, query_chunk=2048)
+SHORT = dict(ladder=(128, 512), batch_size=64, steps=1000, lr_warmup_steps=30, eval_every=50)
+LONG = dict(
+    seq_len=4096, batch_size=8, steps=3000, dense_warmup_steps=100, query_chunk=2048, eval_every=100
+)
 
 # --smoke: every stage of the plan in seconds on a CPU, on tiny() (it trains nothing).
 SMOKE_TASKS = {
@@ -66,44 +71,52 @@ SMOKE_TASKS = {
     "mqar": dict(n_pairs=4, n_queries=2, key_ids=(4, 68), value_ids=(68, 132),
                  filler_ids=(132, 256), vocab_size=256),
 }  # fmt: skip
-SMOKE_SHORT = dict(seq_len=64, batch_size=2, steps=2, lr_warmup_steps=1)
-SMOKE_LONG = dict(seq_len=128, batch_size=2, steps=3, dense_warmup_steps=1, query_chunk=64)
+SMOKE_SHORT = dict(ladder=(48, 64), batch_size=2, steps=2, lr_warmup_steps=1, eval_every=1)
+SMOKE_LONG = dict(
+    seq_len=128, batch_size=2, steps=3, dense_warmup_steps=1, query_chunk=64, eval_every=1
+)
 
 
 def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
-    """The short stage's configs (one per learning rate) and the long stage's fields (its
-    `init_from` is set once the short stage has chosen)."""
+    """The first rung's configs (one per learning rate) and the fields of the later stages:
+    `rung_fields` (one dict per later rung) and `long_fields`. A later stage's `init_from`,
+    and a later rung's learning rate, are set once the stage before it has finished."""
     tasks, short, long = (
         (SMOKE_TASKS, SMOKE_SHORT, SMOKE_LONG) if args.smoke else (TASKS, SHORT, LONG)
     )
     task = tasks[args.task]
+    ladder = args.ladder or short["ladder"]
     preset = "tiny" if args.smoke else args.preset
-    evals = dict(eval_every=1, eval_batches=1, checkpoint_every=1) if args.smoke else {}
+    converge = dict(converge_accuracy=args.converge_accuracy, converge_evals=2)
     base = train.make_config(
         preset=preset,
         task=args.task,
         seed=args.seed,
-        task_changes=dict(task, seq_len=short["seq_len"]),
+        task_changes=dict(task, seq_len=ladder[0]),
         batch_size=short["batch_size"],
-        steps=short["steps"],
+        steps=args.short_steps or short["steps"],
         lr_warmup_steps=short["lr_warmup_steps"],
         attention="dense",
-        eval_every=evals.get("eval_every", 100),
-        eval_batches=evals.get("eval_batches", 4),
-        checkpoint_every=evals.get("checkpoint_every", 100),
+        eval_every=short["eval_every"],
+        eval_batches=1 if args.smoke else 4,
+        checkpoint_every=short["eval_every"],
+        **converge,
     )
-    shorts = [base.replace(learning_rate=lr) for lr in args.short_lrs]
+    firsts = [base.replace(learning_rate=lr) for lr in args.short_lrs]
+    rungs = [dict(task_changes=dict(task, seq_len=n)) for n in ladder[1:]]
     long_fields = dict(
         task_changes=dict(task, seq_len=long["seq_len"]),
         model_changes={"query_chunk": long["query_chunk"]},
         batch_size=long["batch_size"],
-        steps=long["steps"],
+        steps=args.long_steps or long["steps"],
         attention="sparse",
         dense_warmup_steps=long["dense_warmup_steps"],
         learning_rate=args.long_lr,
+        eval_every=long["eval_every"],
+        checkpoint_every=long["eval_every"],
         eval_batches=1 if args.smoke else 8,
     )
-    return shorts, long_fields
+    return firsts, {"rung_fields": rungs, "long_fields": long_fields}
 
 
 def _stage_record(name: str, cfg: train.TrainConfig, run_dir: Path, result: dict) -> dict:
@@ -111,7 +124,7 @@ def _stage_record(name: str, cfg: train.TrainConfig, run_dir: Path, result: dict
         "stage": name,
         "run_dir": str(run_dir),
         "train_config": cfg.to_json(),
-        "done": result["step"] == cfg.steps,
+        "done": result["step"] == cfg.steps or bool(result.get("converged")),
         "summary": result,
         "history": train.read_metrics(run_dir / "metrics.jsonl"),
     }
@@ -138,15 +151,17 @@ def _pct(p) -> str:
 def table(reports: list[dict]) -> str:
     """One row per stage of each report: accuracy with the pool (95 % Wilson interval over the
     evaluation's answers: one seed, so not an interval over seeds), dense, by distance bucket,
-    the evaluation curve, and each Reindex layer's pool recall against its baselines."""
+    the evaluation curve, and each Reindex layer's pool recall against its baselines. 'train s'
+    is the stage's training time and, after '/', the report's total up to it (every stage,
+    the learning rates not chosen included); 'steps' ends in ' c' where the stage converged."""
     lines = [
-        "| report | stage | task | seq_len × batch | lr | steps | train s | accuracy [95 % CI] | "
-        "dense | by distance | eval curve (step: accuracy) | pool recall: pool / random / "
-        "recent / oracle |",
+        "| report | stage | task | seq_len × batch | lr | steps | train s / total | "
+        "accuracy [95 % CI] | dense | by distance | eval curve (step: accuracy) | "
+        "pool recall: pool / random / recent / oracle |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for report in reports:
-        name = report.get("name") or report["commit"]
+        name, total = report.get("name") or report["commit"], 0.0
         for stage in report["stages"]:
             cfg = train.TrainConfig.from_json(stage["train_config"])
             s, task = stage["summary"], cfg.make_task()
@@ -163,6 +178,8 @@ def table(reports: list[dict]) -> str:
                 for r in stage["history"]
                 if r["split"] == "eval"
             )
+            total += s["train_seconds"]
+            steps = f"{s['step']}/{cfg.steps}" + (" c" if s.get("converged") else "")
             recall = "; ".join(
                 f"{layer} "
                 + " / ".join(
@@ -174,7 +191,7 @@ def table(reports: list[dict]) -> str:
             )
             lines.append(
                 f"| {name} | {stage['stage']} | {cfg.task} | {task.seq_len} × {cfg.batch_size} "
-                f"| {cfg.learning_rate:g} | {s['step']}/{cfg.steps} | {s['train_seconds']:.0f} "
+                f"| {cfg.learning_rate:g} | {steps} | {s['train_seconds']:.0f} / {total:.0f} "
                 f"| {s['accuracy']:.1%} [{lo:.1%}, {hi:.1%}] | {_pct(s.get('dense_accuracy'))} "
                 f"| {buckets} | {curve} | {recall or 'dense stage'} |"
             )
@@ -191,11 +208,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--task", choices=sorted(TASKS), default="multi_passkey")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ladder",
+        type=int,
+        nargs="+",
+        help=f"the short rungs' seq_len, in order (default {' '.join(map(str, SHORT['ladder']))})",
+    )
     parser.add_argument("--short-lrs", type=float, nargs="+", default=[2e-3, 5e-3])
     parser.add_argument("--long-lr", type=float, default=1e-3)
+    parser.add_argument("--short-steps", type=int, help=f"each rung's cap ({SHORT['steps']})")
+    parser.add_argument("--long-steps", type=int, help=f"the long stage's cap ({LONG['steps']})")
+    parser.add_argument(
+        "--converge-accuracy",
+        type=float,
+        default=0.9,
+        help="every stage stops once its last 2 evaluations reach it (0: train every step)",
+    )
     parser.add_argument("--max-minutes", type=float, default=None, help="a guard for this call")
     parser.add_argument(
-        "--short-only", action="store_true", help="the short stage alone (a learning-rate probe)"
+        "--short-only", action="store_true", help="the short rungs alone (a learning-rate probe)"
     )
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
@@ -212,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return 60 * args.max_minutes - (time.perf_counter() - began)
 
-    shorts, long_fields = plan(args)
+    firsts, later = plan(args)
     report = {
         "experiment": EXPERIMENT,
         "argv": list(sys.argv if argv is None else argv),
@@ -239,21 +270,34 @@ def main(argv: list[str] | None = None) -> int:
         write()
         return record
 
+    def choose(records: list[dict]) -> tuple[dict, train.TrainConfig] | None:
+        if not all(r["done"] for r in records):
+            print("a stage is not finished: run the same command again", flush=True)
+            return None
+        best = max(records, key=lambda r: r["summary"]["accuracy"])
+        return best, train.TrainConfig.from_json(best["train_config"])
+
+    def rung_name(cfg: train.TrainConfig) -> str:
+        return f"short{cfg.make_task().seq_len}-lr{cfg.learning_rate:g}"
+
     records = []
-    for cfg in shorts:
-        lr = f"{cfg.learning_rate:g}"
-        record = run_stage(f"short lr={lr}", cfg, args.runs_dir / f"short-lr{lr}")
+    for cfg in firsts:
+        record = run_stage(rung_name(cfg), cfg, args.runs_dir / rung_name(cfg))
         if record is None:
             return 0
         records.append(record)
-    if args.short_only:
+    for fields in later["rung_fields"]:
+        if (chosen := choose(records)) is None:
+            return 0
+        best, best_cfg = chosen
+        cfg = train.make_config(best_cfg, init_from=best["run_dir"], **fields)
+        if (record := run_stage(rung_name(cfg), cfg, args.runs_dir / rung_name(cfg))) is None:
+            return 0
+        records = [record]
+    if args.short_only or (chosen := choose(records)) is None:
         return 0
-    if not all(r["done"] for r in records):
-        print("the short stage is not finished: run the same command again", flush=True)
-        return 0
-    best = max(records, key=lambda r: r["summary"]["accuracy"])
-    best_cfg = train.TrainConfig.from_json(best["train_config"])
-    long_cfg = train.make_config(best_cfg, init_from=best["run_dir"], **long_fields)
+    best, best_cfg = chosen
+    long_cfg = train.make_config(best_cfg, init_from=best["run_dir"], **later["long_fields"])
     report["chosen_short"] = {"run_dir": best["run_dir"], "learning_rate": best_cfg.learning_rate}
     report["distance_edges"] = list(evaluate.distance_edges(long_cfg.model_config()))
     record = run_stage("long", long_cfg, args.runs_dir / "long")

@@ -218,19 +218,34 @@ def test_recipe_sweep_table_counts_seeds_and_steps_to_target():
 
 def test_long_context_task_smoke_runs_the_curriculum_and_prints_its_table(tmp_path, capsys):
     out, runs = tmp_path / "report.json", tmp_path / "runs"
-    argv = ["--smoke", "--out", str(out), "--runs-dir", str(runs), "--short-lrs", "5e-3"]
+    argv = ["--smoke", "--out", str(out), "--runs-dir", str(runs), "--short-lrs", "5e-3", "1e-3"]
     assert long_context_task.main(argv) == 0
     report = json.loads(out.read_text())
     assert not report["partial"]
-    short, long = report["stages"]
-    assert short["done"] and long["done"]
-    assert report["chosen_short"]["run_dir"] == short["run_dir"] == str(runs / "short-lr0.005")
+    names = [s["stage"] for s in report["stages"]]
+    assert names == ["short48-lr0.005", "short48-lr0.001", "short64-lr0.005", "long"] or names == [
+        "short48-lr0.005",
+        "short48-lr0.001",
+        "short64-lr0.001",
+        "long",
+    ]
+    firsts, rung, long = report["stages"][:2], report["stages"][2], report["stages"][3]
+    assert all(s["done"] for s in report["stages"])
+    # The best first-rung run (by final accuracy; the first on a tie) seeds the next rung, at
+    # its learning rate; the last rung seeds the long stage.
+    best = max(firsts, key=lambda s: s["summary"]["accuracy"])
+    rung_cfg = train.TrainConfig.from_json(rung["train_config"])
+    best_cfg = train.TrainConfig.from_json(best["train_config"])
+    assert rung_cfg.init_from == best["run_dir"]
+    assert rung_cfg.learning_rate == best_cfg.learning_rate and rung_cfg.attention == "dense"
+    assert report["chosen_short"]["run_dir"] == rung["run_dir"]
     long_cfg = train.TrainConfig.from_json(long["train_config"])
-    assert long_cfg.init_from == short["run_dir"] and long_cfg.attention == "sparse"
-    assert (
-        long_cfg.make_task().seq_len
-        > train.TrainConfig.from_json(short["train_config"]).make_task().seq_len
-    )
+    assert long_cfg.init_from == rung["run_dir"] and long_cfg.attention == "sparse"
+    lens = [
+        train.TrainConfig.from_json(s["train_config"]).make_task().seq_len
+        for s in (best, rung, long)
+    ]
+    assert lens == sorted(set(lens))  # the ladder climbs
     # Run again: every stage is finished, so it only re-evaluates (no step trained twice).
     assert long_context_task.main(argv) == 0
     again = json.loads(out.read_text())
@@ -240,7 +255,23 @@ def test_long_context_task_smoke_runs_the_curriculum_and_prints_its_table(tmp_pa
     capsys.readouterr()
     assert long_context_task.main(["--table", str(out)]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
-    assert len(rows) == 1 + 2 and "short lr=0.005" in rows[1] and "| long |" in rows[2]
+    assert len(rows) == 1 + 4 and "short48-lr0.005" in rows[1] and "| long |" in rows[4]
+    totals = [float(r.split("|")[7].split("/")[1]) for r in rows[1:]]
+    assert totals == sorted(totals)  # the running total of training seconds
+
+
+def test_long_context_task_stages_stop_on_the_convergence_rule(tmp_path):
+    """A stage that meets the rule is done before its cap, and the next stage starts from it."""
+    out, runs = tmp_path / "report.json", tmp_path / "runs"
+    argv = ["--smoke", "--out", str(out), "--runs-dir", str(runs), "--short-lrs", "5e-3"]
+    argv += ["--converge-accuracy", "1e-9", "--short-steps", "50", "--long-steps", "50"]
+    assert long_context_task.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert not report["partial"]
+    # Accuracy >= 1e-9 holds once two evaluations in a row get one answer right: each stage
+    # of this seed does so within a few steps, well before the cap of 50.
+    assert [s["summary"]["converged"] for s in report["stages"]] == [True] * 3
+    assert all(s["done"] and s["summary"]["step"] < 50 for s in report["stages"])
 
 
 def test_wilson_interval():
