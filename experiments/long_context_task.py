@@ -155,10 +155,10 @@ def table(reports: list[dict]) -> str:
     is the stage's training time and, after '/', the report's total up to it (every stage,
     the learning rates not chosen included); 'steps' ends in ' c' where the stage converged."""
     lines = [
-        "| report | stage | task | seq_len × batch | lr | steps | train s / total | "
+        "| report | seed | stage | task | seq_len × batch | lr | steps | train s / total | "
         "accuracy [95 % CI] | dense | by distance | eval curve (step: accuracy) | "
         "pool recall: pool / random / recent / oracle |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for report in reports:
         name, total = report.get("name") or report["commit"], 0.0
@@ -190,7 +190,8 @@ def table(reports: list[dict]) -> str:
                 if f"{layer}/pool_recall" in s
             )
             lines.append(
-                f"| {name} | {stage['stage']} | {cfg.task} | {task.seq_len} × {cfg.batch_size} "
+                f"| {name} | {cfg.seed} | {stage['stage']} | {cfg.task} "
+                f"| {task.seq_len} × {cfg.batch_size} "
                 f"| {cfg.learning_rate:g} | {steps} | {s['train_seconds']:.0f} / {total:.0f} "
                 f"| {s['accuracy']:.1%} [{lo:.1%}, {hi:.1%}] | {_pct(s.get('dense_accuracy'))} "
                 f"| {buckets} | {curve} | {recall or 'dense stage'} |"
