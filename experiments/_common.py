@@ -79,6 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help=f"({defaults.batch_size})")
     parser.add_argument("--dense-warmup-steps", type=int, help=f"({defaults.dense_warmup_steps})")
     parser.add_argument(
+        "--lr", type=float, help=f"AdamW's peak learning rate ({defaults.learning_rate})"
+    )
+    parser.add_argument(
+        "--init-from",
+        metavar="RUN_DIR",
+        help="start every run from this run's latest weights ({seed}: each seed's own run, e.g. "
+        "runs/long_context_task/multi_passkey/seed{seed}/short512-lr0.001); fresh otherwise",
+    )
+    parser.add_argument("--eval-every", type=int, help=f"({defaults.eval_every})")
+    parser.add_argument(
+        "--eval-batches", type=int, help=f"batches per evaluation ({defaults.eval_batches})"
+    )
+    parser.add_argument(
         "--seeds",
         type=int,
         nargs="+",
@@ -145,6 +158,10 @@ def train_config(args: argparse.Namespace) -> train.TrainConfig:
         steps=args.steps,
         batch_size=args.batch_size,
         dense_warmup_steps=args.dense_warmup_steps,
+        learning_rate=args.lr,
+        init_from=args.init_from,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
         converge_accuracy=args.converge_accuracy,
         converge_evals=args.converge_evals,
         model_changes=dict(args.model_set),

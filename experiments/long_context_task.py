@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--table", type=Path, nargs="+", help="print the table of these reports and exit"
     )
-    parser.add_argument("--runs-dir", type=Path, help="default runs/long_context_task/<task>")
+    parser.add_argument(
+        "--runs-dir", type=Path, help="default runs/long_context_task/<task>/seed<seed>"
+    )
     parser.add_argument("--preset", default="small")
     parser.add_argument("--task", choices=sorted(TASKS), default="multi_passkey")
     parser.add_argument("--seed", type=int, default=0)
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out: expected the report's path (or --table FILE ...)")
-    args.runs_dir = args.runs_dir or Path("runs") / EXPERIMENT / args.task
+    args.runs_dir = args.runs_dir or Path("runs") / EXPERIMENT / args.task / f"seed{args.seed}"
     began = time.perf_counter()
 
     def left() -> float | None:

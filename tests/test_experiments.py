@@ -1,5 +1,6 @@
 """The ablation scripts run end to end at smoke size and write the report they promise."""
 
+import argparse
 import json
 
 import pytest
@@ -75,6 +76,19 @@ def test_summary_is_mean_and_sample_std_over_seeds_per_variant():
 def test_smoke_outputs_never_go_to_the_results_folder(script):
     with pytest.raises(SystemExit, match="not results"):
         script.main(["--smoke", "--out-dir", str(_common.RESULTS_DIR)])
+
+
+def test_study_options_reach_the_train_config():
+    """A study's recipe options (learning rate, initialization, evaluation) set the base run's
+    fields, and what is not given keeps TrainConfig's default."""
+    parser = argparse.ArgumentParser()
+    _common.add_arguments(parser)
+    argv = ["--lr", "1e-3", "--init-from", "runs/x/seed{seed}/short", "--eval-every", "50"]
+    base = _common.train_config(parser.parse_args([*argv, "--eval-batches", "8"]))
+    assert (base.learning_rate, base.init_from) == (1e-3, "runs/x/seed{seed}/short")
+    assert (base.eval_every, base.eval_batches) == (50, 8)
+    default = _common.train_config(parser.parse_args([]))
+    assert default == train.TrainConfig()
 
 
 @pytest.mark.slow
