@@ -50,6 +50,7 @@ VARIANTS = {  # `train.make_config` changes of each variant
     "dense": {"attention": "dense"},
 }
 SPARSE = ("max", "mean", "top2")
+REFERENCE = "max"  # V4.1's reducer: study_tables.py prints every variant's paired difference
 COLORS = {"max": "C0", "mean": "C2", "top2": "C1", "dense": "C7"}
 BASELINES = {  # evaluate's block baselines: metric suffix -> (legend, colour)
     "random": ("random blocks", "C7"),
@@ -65,7 +66,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     _common.resolve_paths(args, NAME)
     base = _common.train_config(args)
-    config = {**_common.report_config(NAME, args, argv, base), "variants": VARIANTS}
+    config = {
+        **_common.report_config(NAME, args, argv, base),
+        "variants": VARIANTS,
+        "reference": REFERENCE,
+    }
     json_path, png_path = args.out_dir / f"{NAME}.json", args.out_dir / f"{NAME}.png"
     records: list[dict] = []
     for variant, changes in VARIANTS.items():

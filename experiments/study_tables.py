@@ -7,6 +7,8 @@ the JSON's, never retyped.
 
 Each table: one row per variant with mean ± sample std over seeds (the JSON's `summary`), the
 per-seed accuracies, and the steps each run trained (a run a time cap stopped short is flagged).
+Where the report names a reference variant (`config["reference"]`), a second table gives each
+variant's paired difference from it, seed by seed, with a 95 % t-interval.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from experiments import _common
 
 
 def _pct(stat: dict | None, std: bool = True) -> str:
@@ -101,15 +105,16 @@ def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
 
 def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = None) -> str:
     """Per variant, its difference from `reference` on the same seed (same initialization and
-    batches): accuracy in points and task loss, mean over seeds with the [min, max] range."""
+    batches): accuracy in points and task loss, the mean over seeds with its 95 % t-interval
+    (over the paired differences; '—' with one pair), and the accuracy differences' range."""
     records = report["results"]
     ref = {r["seed"]: r for r in records if r["variant"] == reference}
     variants = [v for v in dict.fromkeys(r["variant"] for r in records) if v != reference]
     variants = sorted(variants, key=order) if order else variants
     lines = [
-        f"| variant | Δ accuracy vs {reference}, same seed (points): mean [min, max] "
-        f"| Δ task loss vs {reference}: mean [min, max] | seeds |",
-        "|---|---|---|---|",
+        f"| variant | Δ accuracy vs {reference}, same seed (points): mean [95 % CI] | min … max "
+        f"| Δ task loss vs {reference}: mean [95 % CI] | seeds |",
+        "|---|---|---|---|---|",
     ]
     for variant in variants:
         pairs = [
@@ -120,8 +125,12 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
         cells = []
         for key, scale, fmt in (("accuracy", 100, "+.1f"), ("task_loss", 1, "+.4f")):
             d = [scale * (r[key] - f[key]) for r, f in pairs]
-            cells.append(f"{sum(d) / len(d):{fmt}} [{min(d):{fmt}}, {max(d):{fmt}}]")
-        lines.append(f"| {variant} | {cells[0]} | {cells[1]} | {len(pairs)} |")
+            ci = _common.t_interval(d)
+            interval = "—" if ci is None else f"{ci[0]:{fmt}}, {ci[1]:{fmt}}"
+            cells.append(f"{sum(d) / len(d):{fmt}} [{interval}]")
+            if key == "accuracy":
+                cells.append(f"{min(d):{fmt}} … {max(d):{fmt}}")
+        lines.append(f"| {variant} | {' | '.join(cells)} | {len(pairs)} |")
     return "\n".join(lines)
 
 
@@ -154,8 +163,8 @@ def main() -> None:
         print(f"{path} ({experiment}, seeds {seeds}{missing}, {report['config']['device']}):\n")
         print(table(report, order))
         print()
-        if kv_study:
-            print(paired(report, report["config"]["reference"], order))
+        if reference := report["config"].get("reference"):
+            print(paired(report, reference, order))
             print()
 
 

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 from scipy import stats
@@ -12,9 +13,11 @@ from experiments import (
     kv_format_study,
     long_context_task,
     merge_reports,
+    pool_size_sweep,
     study_tables,
 )
 from v41jax import train
+from v41jax.nn import config as config_lib
 
 POOL_METRICS = (
     "pool_recall",
@@ -72,7 +75,7 @@ def test_summary_is_mean_and_sample_std_over_seeds_per_variant():
     assert summary["b"] == {}
 
 
-@pytest.mark.parametrize("script", [block_score_ablation, kv_format_study])
+@pytest.mark.parametrize("script", [block_score_ablation, kv_format_study, pool_size_sweep])
 def test_smoke_outputs_never_go_to_the_results_folder(script):
     with pytest.raises(SystemExit, match="not results"):
         script.main(["--smoke", "--out-dir", str(_common.RESULTS_DIR)])
@@ -97,6 +100,32 @@ def test_block_score_ablation_smoke(tmp_path):
     _check_report(
         tmp_path, "block_score_ablation", ["max", "mean", "top2", "dense"], ["max", "mean", "top2"]
     )
+
+
+def test_pool_sizes_are_whole_blocks_of_the_source_positions():
+    cfg = config_lib.tiny()  # candidate source: layer 3, ratio 1; blocks of 8
+    positions = 2048 // cfg.compress_ratios[cfg.candidate_source_layer]
+    assert pool_size_sweep.source_positions(cfg, 2048) == positions == 2048
+    sizes = pool_size_sweep.pool_sizes(cfg, 2048, (64, 32, 16, 8, 4, 2))
+    assert sizes == [positions // (d * 8) for d in (64, 32, 16, 8, 4, 2)]  # 4 ... 128 blocks
+    # Fractions below one block round up to one, and equal sizes run once.
+    assert pool_size_sweep.pool_sizes(cfg, 64, (64, 32, 16, 8, 4, 2)) == [1, 2, 4]
+
+
+@pytest.mark.slow
+def test_pool_size_sweep_smoke(tmp_path):
+    report = pool_size_sweep.main(["--smoke", "--out-dir", str(tmp_path)])
+    variants = [pool_size_sweep.variant_name(b) for b in (1, 4)] + ["dense"]
+    _check_report(tmp_path, "pool_size_sweep", variants, variants[:2])
+    for r in report["results"]:
+        run_cfg = train.TrainConfig.from_json(
+            json.loads((Path(r["run_dir"]) / "config.json").read_text())
+        )
+        if r["variant"] == "dense":
+            assert run_cfg.attention == "dense" and "pool_blocks" not in r
+        else:  # the run trained with the pool the record names
+            assert run_cfg.model_config().candidate_topk_blocks == r["pool_blocks"]
+            assert r["pool_fraction"] == r["pool_blocks"] * 8 / 64
 
 
 @pytest.mark.slow
@@ -191,8 +220,20 @@ def test_paired_differences_are_taken_on_the_same_seed():
         {"variant": "qat/fp8", "seed": 2, "accuracy": 1.0, "task_loss": 0.0},  # no f32 to pair
     ]
     lines = study_tables.paired({"results": records}, "f32").splitlines()
-    assert lines[2] == "| ptq/fp8 | +0.0 [-25.0, +25.0] | -0.1250 [-0.7500, +0.5000] | 2 |"
+    # Differences, seed by seed: accuracy +25 and -25 points, loss -0.75 and +0.5.
+    acc = stats.t.ppf(0.975, 1) * stats.tstd([25.0, -25.0]) / 2**0.5
+    loss = stats.t.ppf(0.975, 1) * stats.tstd([-0.75, 0.5]) / 2**0.5
+    assert lines[2] == (
+        f"| ptq/fp8 | +0.0 [{-acc:+.1f}, {acc:+.1f}] | -25.0 … +25.0 "
+        f"| -0.1250 [{-0.125 - loss:+.4f}, {-0.125 + loss:+.4f}] | 2 |"
+    )
     assert len(lines) == 3
+    one = [r for r in records if r["seed"] != 0]  # one pair: no interval
+    assert (
+        study_tables.paired({"results": one}, "f32")
+        .splitlines()[2]
+        .startswith("| ptq/fp8 | -25.0 [—] | -25.0 … -25.0 |")
+    )
 
 
 def test_main_job_seeds_target_and_interval():
