@@ -23,7 +23,7 @@
 # pool misses what a Reindex layer would have picked on its own, that layer can never attend
 # to it.
 #
-# This notebook trains the toy model briefly (`v41jax.train.run`), then looks at one passkey
+# This notebook trains the toy model briefly (`v41jax.train.run`), then looks at one
 # example from the inside (`Model.run(..., diagnostics=True)`) and at held-out batches through
 # `v41jax.train.evaluate`:
 # 1. which blocks the candidate source keeps for each query;
@@ -33,6 +33,12 @@
 #
 # With `V41JAX_SMOKE=1` the run is 2 steps (the pictures then show an untrained indexer); run it
 # at full size (the default `TrainConfig()`: several minutes on a CPU) to see a trained one.
+#
+# `V41JAX_RUN_DIR=<dir>` reads a run that exists instead of training one: any run directory of
+# `v41jax train` or of a study, e.g. one seed of the block-score ablation
+# (`runs/block_score_ablation/max/seed0`) or the 4 K stage of the long-context curriculum
+# (`runs/long_context_task/multi_passkey/seed0/long`), so a study's pools can be looked at
+# seed by seed.
 
 # %%
 import itertools
@@ -64,9 +70,13 @@ print(cfg)
 # at inference.
 
 # %%
-run_dir = Path(tempfile.mkdtemp(prefix="v41jax_nb02_")) / "run"
-summary = train.run(cfg, run_dir, progress=not SMOKE)
-print(train.summarize(cfg, run_dir, summary))
+if os.environ.get("V41JAX_RUN_DIR"):
+    run_dir = Path(os.environ["V41JAX_RUN_DIR"])
+    print(f"reading the run in {run_dir}")
+else:
+    run_dir = Path(tempfile.mkdtemp(prefix="v41jax_nb02_")) / "run"
+    summary = train.run(cfg, run_dir, progress=not SMOKE)
+    print(train.summarize(cfg, run_dir, summary))
 
 # %% [markdown]
 # `train.run` returns numbers; `train.load` rebuilds the model from the run's last checkpoint.
@@ -86,13 +96,15 @@ print(
 # %% [markdown]
 # ## One example, from the inside
 #
-# A passkey example with the key placed early (depth 0.1), so the query at the end has to
-# reach back well beyond both the sliding window and the span a pool can cover.
+# One held-out example and the scored position whose evidence lies furthest back, so the query
+# has to reach well beyond the sliding window. For the single passkey the key is placed early
+# (depth 0.1); for the other tasks the example is drawn as in evaluation.
 
 # %%
 task = cfg.make_task()
 eval_seed = cfg.seed + train.EVAL_SEED_OFFSET
-example = task.replace(depth=0.1).batch_at(eval_seed, 0, 1)
+shown = task.replace(depth=0.1) if hasattr(task, "depth") else task
+example = shown.batch_at(eval_seed, 0, 1)
 print(task.describe())
 print(task.format_example(example, 0))
 
@@ -101,11 +113,11 @@ logits, trace = run_with_diagnostics(model, jnp.asarray(example.tokens))
 
 seq = example.tokens.shape[1]
 scored = np.flatnonzero(example.loss_mask[0])
-query = int(scored[0])  # the <q> token: it must predict the key's first digit
+query = int(max(scored, key=lambda t: t - example.evidence[0, t]))  # the longest reach back
 evidence = int(example.evidence[0, query])
 predicted = task.token_name(int(jnp.argmax(logits[0, query])))
 print(
-    f"query at position {query}, evidence (first key digit) at {evidence}: distance "
+    f"query at position {query}, evidence at {evidence}: distance "
     f"{query - evidence}; target {task.token_name(int(example.targets[0, query]))}, "
     f"predicted {predicted}"
 )
@@ -117,8 +129,8 @@ print(
 # not visible yet (causality), grey ones are visible but left out, blue ones are in the pool.
 # The newest block is always kept (it is pinned: it is only partly filled and would otherwise
 # lose to older full blocks). The dashed line is the oldest position the sliding window still
-# covers; the red line is the block holding the key; the black ticks on the right mark the
-# scored positions (the query and the recalled digits).
+# covers; the red line is the block holding the evidence; the black ticks on the right mark the
+# scored positions (every answer of the example).
 
 # %%
 ratio = c.layers[cand].compress_ratio
@@ -139,7 +151,7 @@ fig, ax = plt.subplots(figsize=(7, 7))
 cmap = ListedColormap(["white", "lightgray", "tab:blue"])
 ax.imshow(blocks_img, cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
 ax.plot(window_edge - 0.5, positions, "k--", lw=1, label="window's oldest position")
-ax.axvline(evidence_block, color="crimson", lw=1.5, label="block holding the key")
+ax.axvline(evidence_block, color="crimson", lw=1.5, label="block holding the evidence")
 for t in scored:
     ax.plot([n_blocks - 0.5, n_blocks + 0.2], [t, t], "k-", lw=1.5, clip_on=False)
 ax.set(
@@ -161,7 +173,7 @@ plt.show()
 # Query position × compressed position, for each Reindex layer: light blue is the pool (from the
 # candidate source), dark blue the layer's own top-k inside it, and orange the positions the
 # layer would have picked without the pool but cannot reach (its unrestricted top-k outside the
-# pool). The red line is the key.
+# pool). The red line is the evidence.
 
 # %%
 categories = ["invisible", "visible", "in pool", "picked", "wanted, outside pool"]
@@ -203,7 +215,7 @@ plt.show()
 # layer's own attention when it is allowed to see every visible position (orange, right axis;
 # summed over heads). The indexer is trained to predict that attention (the KL loss), so a
 # good indexer puts its high scores where the orange peaks are. Shaded: the blocks of the
-# candidate pool; ticks at the bottom: the layer's actual picks; red: the key's position. The
+# candidate pool; ticks at the bottom: the layer's actual picks; red: the evidence's position. The
 # first row is the candidate source itself, whose scores choose the pool.
 
 # %%
@@ -226,7 +238,7 @@ for ax, layer in zip(axes, layers_shown, strict=True):
     twin = ax.twinx()
     twin.plot(attention, color="tab:orange", lw=1)
     twin.set_ylabel("dense attention", color="tab:orange")
-axes[0].set_title(f"query at position {query}; key at {evidence}")
+axes[0].set_title(f"query at position {query}; evidence at {evidence}")
 axes[-1].set_xlabel("compressed position")
 fig.tight_layout()
 plt.show()

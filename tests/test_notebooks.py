@@ -166,3 +166,19 @@ def test_training_notebook_reads_a_given_run(tmp_path, kernel_dir, smoke_env):
     smoke_env.setenv("V41JAX_RUN_DIR", str(tmp_path / "run"))
     smoke_env.setenv("V41JAX_RESULTS_DIR", str(tmp_path / "results"))
     execute(ROOT / "notebooks" / "03_training.py", tmp_path, kernel_dir)
+
+
+@pytest.mark.slow
+def test_pool_notebook_reads_a_given_run_of_another_task(tmp_path, kernel_dir, smoke_env):
+    """02 with V41JAX_RUN_DIR: no training, the run's own model and task (here multi_passkey,
+    whose example has several answers and no needle depth)."""
+    run_dir = tmp_path / "given" / "run"
+    cfg = train.TrainConfig.smoke(task="multi_passkey")
+    train.run(cfg, run_dir, progress=False)
+    smoke_env.setenv("V41JAX_RUN_DIR", str(run_dir))
+    execute(ROOT / "notebooks" / "02_candidate_pool.py", tmp_path, kernel_dir)
+    nb = nbformat.read(tmp_path / "02_candidate_pool.ipynb", as_version=4)
+    printed = "".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
+    assert f"reading the run in {run_dir}" in printed and "multi_passkey" in printed
