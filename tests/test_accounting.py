@@ -4,6 +4,9 @@ Every expected value is the number as the seed article states it, compared at th
 article uses; the exact values come from `v41jax.accounting`.
 """
 
+import dataclasses
+import itertools
+import json
 from fractions import Fraction
 
 import pytest
@@ -243,3 +246,171 @@ def test_sequence_sharded_traffic(preset):
         assert all(x.train_gather == x.train_scatter == 0 for x in reuse)
     with pytest.raises(ValueError, match="n_devices: expected a positive int"):
         accounting.sharded_traffic(c, context, 0)
+
+
+# --------------------------------------------------------------------------- mesh plan
+
+
+@pytest.fixture(scope="module")
+def v41_params():
+    from v41jax.nn.model import parameter_counts
+
+    return parameter_counts(config.v41_flash())["total"]
+
+
+def context_part(m: accounting.MeshCost) -> Fraction:
+    """A mesh's training bytes minus the gradient sum: what the context axis sends."""
+    return (
+        m.train_intra
+        + m.train_inter
+        - sum(accounting.gradient_sync_bytes(m.param_bytes // accounting.PARAM_BYTES, m.n_devices))
+    )
+
+
+@pytest.mark.parametrize(("tokens", "ratio", "cap"), [(37, 1, None), (37, 2, None), (64, 3, 5)])
+def test_visible_sum_is_the_sum_over_positions(tokens, ratio, cap):
+    brute = sum(min(cap or tokens, (p + 1) // ratio) for p in range(tokens))
+    assert accounting._visible_sum(tokens, ratio, cap) == brute
+
+
+def test_training_flops_tie_to_the_per_token_costs():
+    c = config.tiny()
+    tokens = 300  # past the window, the top-k and the candidate pool
+    flops = accounting.training_flops(c, 1000, tokens)
+    # The index scores: the decode-time cost of every position, summed.
+    per_position = sum(accounting.indexer_cost(c, p + 1).total_with_pool for p in range(tokens))
+    assert flops.indexer == 2 * per_position
+    compressed = sum(1 for r in c.compress_ratios if r)
+    window_only = c.n_layers - compressed
+    core = accounting.core_attention_macs_per_layer(c)
+    window = 2 * c.n_heads * c.window_size * c.head_dim
+    assert flops.attention == 6 * tokens * (compressed * core + window_only * window)
+    assert flops.matmul == 6 * (1000 - c.vocab_size * c.dim) * tokens
+    assert flops.total == flops.matmul + flops.attention + flops.indexer
+
+
+def test_mesh_memory_ties_to_independent_counts(v41_params):
+    c, tokens = config.v41_flash(), MIB
+    kv = accounting.kv_bytes_per_token(c).total * tokens
+    for n in (8, 64):
+        plan = accounting.plan_mesh(c, v41_params, n, tokens)
+        assert [m.context for m in plan.candidates] == [2**i for i in range(n.bit_length())]
+        for m in plan.candidates:
+            assert m.data * m.context == n
+            assert m.param_bytes == m.grad_bytes == v41_params * 2
+            assert m.optimizer_bytes * n == v41_params * 12
+            assert m.kv_bytes == kv / m.context
+            assert m.kv_bytes + m.kv_gathered_bytes == kv
+            assert m.activation_bytes * m.context == c.n_layers * c.dim * 2 * tokens
+            window = c.n_layers * c.window_size * accounting.window_row_bytes(c)
+            assert m.decode_memory == m.param_bytes + m.kv_bytes + window
+            traffic = accounting.sharded_traffic(c, tokens, m.context)
+            assert context_part(m) == traffic.train_total
+            assert m.decode_intra + m.decode_inter == traffic.decode_total
+            flops = accounting.training_flops(c, v41_params, tokens).total
+            assert m.train_flops * m.context == flops
+            assert m.decode_read * m.context == accounting.decode_read_bytes(c, tokens)
+
+
+def test_gradient_sync_in_one_node_and_across_nodes():
+    p = 1000
+    intra, inter = accounting.gradient_sync_bytes(p, 8)
+    assert (intra, inter) == (2 * Fraction(7, 8) * 2 * p, 0)
+    intra, inter = accounting.gradient_sync_bytes(p, 64)
+    assert intra == 2 * Fraction(7, 8) * 2 * p
+    assert inter == 2 * Fraction(7, 8) * 2 * p / 8  # 8 nodes, each GPU its 1/8 slice
+    assert accounting.gradient_sync_bytes(p, 1) == (0, 0)
+
+
+def test_context_traffic_stays_in_the_node_up_to_eight(v41_params):
+    c = config.v41_flash()
+    for m in accounting.plan_mesh(c, v41_params, 512).candidates:
+        grad_inter = accounting.gradient_sync_bytes(v41_params, 512)[1]
+        if m.context <= 8:
+            assert m.train_inter == grad_inter and m.decode_inter == 0
+        else:
+            assert m.train_inter > grad_inter and m.decode_inter > 0
+
+
+def test_more_context_shards_less_memory_more_traffic(v41_params):
+    c = config.v41_flash()
+    meshes = accounting.plan_mesh(c, v41_params, 512).candidates
+    for small, large in itertools.pairwise(meshes):
+        assert large.kv_bytes < small.kv_bytes
+        assert large.train_memory < small.train_memory
+        assert large.decode_memory < small.decode_memory
+        assert large.train_compute_s < small.train_compute_s
+        assert context_part(large) > context_part(small)
+        assert large.decode_intra + large.decode_inter > small.decode_intra + small.decode_inter
+
+
+@pytest.mark.parametrize("n", [8, 64, 512])
+def test_the_chosen_mesh_is_the_smallest_context_that_fits(v41_params, n):
+    plan = accounting.plan_mesh(config.v41_flash(), v41_params, n)
+    for chosen, fits in ((plan.train, "train_fits"), (plan.decode, "decode_fits")):
+        assert chosen is not None and getattr(chosen, fits)
+        assert not any(getattr(m, fits) for m in plan.candidates if m.context < chosen.context)
+    assert plan.train.train_memory <= accounting.H200.usable_bytes
+    assert f"context={plan.train.context}" in plan.train_reason
+    assert f"data={plan.decode.data} replicas" in plan.decode_reason
+
+
+def test_a_mesh_that_does_not_fit_is_never_chosen(v41_params):
+    c = config.v41_flash()
+    meshes = accounting.plan_mesh(c, v41_params, 64).candidates
+    # HBM between the needs of context 8 and 16: only 16 and more fit.
+    usable = (meshes[3].train_memory + meshes[4].train_memory) / 2
+    cluster = dataclasses.replace(accounting.H200, hbm_bytes=usable, hbm_reserve=Fraction(0))
+    plan = accounting.plan_mesh(c, v41_params, 64, cluster=cluster)
+    assert plan.train.context == 16 and plan.train.train_fits
+    assert not meshes[3].train_memory <= cluster.usable_bytes
+    tiny_hbm = dataclasses.replace(accounting.H200, hbm_bytes=10**9)
+    none = accounting.plan_mesh(c, v41_params, 8, cluster=tiny_hbm)
+    assert none.train is None and none.decode is None
+    assert none.train_reason.startswith("no mesh fits")
+
+
+@pytest.mark.parametrize(
+    ("data", "context", "match"),
+    [(3, 4, r"data × context: expected at most 8 GPUs or whole nodes"), (0, 8, "data:")],
+)
+def test_mesh_cost_rejects_bad_meshes(v41_params, data, context, match):
+    with pytest.raises(ValueError, match=match):
+        accounting.mesh_cost(config.v41_flash(), v41_params, data, context)
+
+
+def test_cli_mesh_prints_the_plan(capsys, v41_params):
+    from v41jax import cli
+
+    assert cli.main(["mesh"]) == 0
+    out = capsys.readouterr().out
+    for n in (8, 64, 512):
+        plan = accounting.plan_mesh(config.v41_flash(), v41_params, n)
+        assert f"{n} GPUs (* chosen for training" in out
+        assert f"{plan.train.data} × {plan.train.context} *" in out
+        assert f"train: data={plan.train.data} × context={plan.train.context}:" in out
+        assert f"decode: data={plan.decode.data} × context={plan.decode.context}:" in out
+    assert cli.main(["mesh", "--devices", "16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = accounting.plan_mesh(config.v41_flash(), v41_params, 16)
+    assert data["n_params"] == v41_params
+    assert data["plans"] == accounting.mesh_summary([plan])
+
+
+@pytest.mark.parametrize("value", ["12", "0", "8,x", "", "8,,64"])
+def test_cli_mesh_refuses_bad_device_counts(capsys, value):
+    from v41jax import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["mesh", "--devices", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --devices: expected comma-separated GPU counts" in err
+    assert repr(value) in err
+
+
+def test_cli_mesh_refuses_a_preset_it_cannot_count(capsys):
+    from v41jax import cli
+
+    assert cli.main(["mesh", "--preset", "v4_flash", "--devices", "8"]) == 2
+    assert "v41jax mesh: error: --preset v4_flash: config.kv_format" in capsys.readouterr().err

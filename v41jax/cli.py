@@ -5,6 +5,8 @@ v41jax bytes --context 64K        # the indexer table at another context length
 v41jax bytes --preset tiny --per-layer
 v41jax bytes --json               # the same numbers, structured
 v41jax params                     # parameter counts: toy presets and the real V4.1-Flash stack
+v41jax mesh                       # data × context meshes for 8, 64, 512 H200s at 1M tokens
+v41jax mesh --devices 16,128 --json
 v41jax train                      # the main job: train tiny() with pools + FP4 QAT (<= 5 min)
 v41jax train --task mqar --steps 2000 --kv-format mxfp4 --block-score mean --out runs/x
 v41jax train --seeds 0-4          # the main job on seeds 0..4, in one program on a GPU
@@ -66,6 +68,40 @@ def _params(args: argparse.Namespace) -> int:
         return 0
     print(tables.render_parameter_counts(counts))
     return 0
+
+
+def _mesh(args: argparse.Namespace) -> int:
+    from v41jax.nn.model import parameter_counts  # imports flax; `bytes` stays light
+
+    config = preset(args.preset)
+    try:
+        n_params = parameter_counts(config)["total"]
+    except ValueError as err:  # a preset for byte accounting only (v4_flash): no model to count
+        print(f"v41jax mesh: error: --preset {args.preset}: {err}", file=sys.stderr)
+        return 2
+    plans = [accounting.plan_mesh(config, n_params, n, args.context) for n in args.devices]
+    if args.json:
+        summary = {"preset": args.preset, "n_params": n_params}
+        print(json.dumps(summary | {"plans": accounting.mesh_summary(plans)}, indent=2))
+        return 0
+    print(tables.render_mesh_plan(args.preset, plans, n_params))
+    return 0
+
+
+def parse_device_counts(text: str) -> tuple[int, ...]:
+    """`mesh --devices`: comma-separated GPU counts, each at most one node (8) or whole nodes."""
+    node = accounting.H200.gpus_per_node
+    counts = []
+    for part in text.split(","):
+        part = part.strip()
+        n = int(part) if part.isdigit() else 0
+        if n < 1 or (n > node and n % node):
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated GPU counts, each from 1 to {node} or a multiple of "
+                f"{node} (whole nodes), e.g. 8,64,512, got {text!r}"
+            )
+        counts.append(n)
+    return tuple(counts)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -320,6 +356,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     params_parser.add_argument("--json", action="store_true", help="print the counts as JSON")
     params_parser.set_defaults(run=_params)
+    mesh_parser = commands.add_parser(
+        "mesh",
+        help="memory, bytes sent and time bounds of data × context meshes, and the chosen mesh",
+        description="For each number of H200s, every data × context mesh (context a power of "
+        "two): memory per device, bytes sent per training step and per decoded token over "
+        "NVLink and InfiniBand, their time bounds against the compute bound, and the mesh chosen "
+        "for training and for decode (the smallest context degree that fits; "
+        "accounting.plan_mesh), all computed from the config and its parameter count.",
+    )
+    mesh_parser.add_argument(
+        "--devices",
+        type=parse_device_counts,
+        default=(8, 64, 512),
+        metavar="N[,N...]",
+        help="GPU counts to plan for (default 8,64,512)",
+    )
+    mesh_parser.add_argument(
+        "--context",
+        type=_context,
+        default=accounting.DEFAULT_CONTEXT,
+        metavar="N",
+        help="tokens per sequence: 65536, 64K, 1M (K = 1024; default 1M)",
+    )
+    mesh_parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="v41_flash", help="(v41_flash)"
+    )
+    mesh_parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    mesh_parser.set_defaults(run=_mesh)
     train_parser = commands.add_parser(
         "train",
         help="train a toy model with training-aware candidate pools and FP4 KV QAT (default)",

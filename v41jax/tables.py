@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
@@ -24,6 +25,7 @@ from v41jax.accounting import (
     DEFAULT_CONTEXT,
     GIB,
     KVBytes,
+    MeshPlan,
     StorageStep,
     format_context,
     index_row_bytes,
@@ -484,3 +486,101 @@ def render_parameter_counts(counts: dict[str, dict[str, int]]) -> str:
             "  v41_flash's FFN is a dense placeholder: the real model's MoE is out of scope.",
         ]
     )
+
+
+def _s(x) -> str:
+    """Seconds in s, ms or µs, two significant digits."""
+    x = float(x)
+    for unit, size in (("s", 1), ("ms", 1e-3), ("µs", 1e-6)):
+        if x >= size:
+            return f"{_sig2(x / size)} {unit}"
+    return "0" if x == 0 else f"{_sig2(x * 1e9)} ns"
+
+
+def render_mesh_plan(title: str, plans: Sequence[MeshPlan], n_params: int) -> str:
+    """Per number of GPUs: every data × context mesh with its memory per device, the bytes a
+    device sends over NVLink and InfiniBand and the time bounds, for a training step and for a
+    decoded token, then the chosen meshes and why (`accounting.plan_mesh`); `n_params` is the
+    parameter count the plans were made with."""
+    if not plans:
+        return ""
+    first = plans[0].candidates[0]
+    cluster = first.cluster
+
+    def gb(x) -> str:
+        return _si_bytes(x) if x else "0"
+
+    lines = [
+        f"{title}: data × context meshes at {format_context(first.tokens)} tokens per sequence "
+        f"(accounting.plan_mesh; MeshCost says what is counted)",
+        f"  per GPU: {gb(cluster.hbm_bytes)} HBM, {_percent(1 - cluster.hbm_reserve)} usable "
+        f"({gb(cluster.usable_bytes)}); {_sci(cluster.peak_flops)} FLOP/s bf16; NVLink "
+        f"{gb(cluster.nvlink_bandwidth)}/s and InfiniBand {gb(cluster.ib_bandwidth)}/s sent; "
+        f"{cluster.gpus_per_node} GPUs per node",
+        "  train: one sequence per data replica per step; weights and bf16 gradients replicated, "
+        "AdamW state sharded over all GPUs, residuals of every layer kept",
+        "  decode: one sequence per data replica, per decoded token; bounds count bandwidth, "
+        "not latency",
+        f"  parameters: {n_params:,}, counted on the model (`v41jax params`)",
+    ]
+    if title == "v41_flash":
+        lines.append(
+            "  v41_flash's FFN is a dense placeholder (the real model's MoE is out of scope): its "
+            "experts, and the expert parallelism they would call for, are not in these numbers."
+        )
+    header = [
+        "data × context",
+        "train memory",
+        "fits",
+        "NVLink/step",
+        "IB/step",
+        "NVLink time",
+        "IB time",
+        "compute",
+        "decode memory",
+        "NVLink/token",
+        "IB/token",
+        "cache read",
+        "link time",
+    ]
+    for plan in plans:
+        rows = []
+        for m in plan.candidates:
+            mark = " *" if m is plan.train else ""
+            mark += " †" if m is plan.decode else ""
+            rows.append(
+                [
+                    f"{m.data} × {m.context}{mark}",
+                    gb(m.train_memory),
+                    "yes" if m.train_fits else "no",
+                    gb(m.train_intra),
+                    gb(m.train_inter),
+                    _s(m.train_nvlink_s),
+                    _s(m.train_ib_s),
+                    _s(m.train_compute_s),
+                    gb(m.decode_memory),
+                    gb(m.decode_intra),
+                    gb(m.decode_inter),
+                    _s(m.decode_hbm_s),
+                    _s(m.decode_link_s),
+                ]
+            )
+        lines += [
+            "",
+            f"{plan.n_devices} GPUs (* chosen for training, † for decode)",
+            _table(header, rows),
+        ]
+        for what, chosen, reason in (
+            ("train", plan.train, plan.train_reason),
+            ("decode", plan.decode, plan.decode_reason),
+        ):
+            mesh = "none" if chosen is None else f"data={chosen.data} × context={chosen.context}"
+            lines.append(
+                textwrap.fill(
+                    f"{what}: {mesh}: {reason}",
+                    width=110,
+                    initial_indent="  ",
+                    subsequent_indent="    ",
+                )
+            )
+    return "\n".join(lines)
