@@ -7,7 +7,12 @@ For a preset and task shape, in both stages (dense warm-up, sparse), this times 
 - the compilation of the step (seconds);
 - on a GPU, the step's kernels with the device timer (`pallas_kernels.timing.measure`): how many
   a step launches, their summed device time, and the heaviest by name, which tells whether the
-  step is bound by launches or by work.
+  step is bound by launches or by work;
+- on a CPU, the step's XLA operations from a `jax.profiler` trace: their summed time by kind
+  (the fusion's name without its number: `ynn_fusion` = XNNPACK's fused dots, `copy_*` = layout
+  copies, `dot`, ...) and the heaviest, each with the jax operation it comes from (the HLO's
+  `op_name`). The CPU runs operations on several threads at once, so their sum exceeds the
+  step's wall time.
 
     PYTHONPATH=. python3 experiments/profile_train_step.py --out profile.json
     PYTHONPATH=. python3 experiments/profile_train_step.py --preset small --seq-len 1024
@@ -17,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
+import re
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +61,39 @@ def _wall(fn, batches) -> dict:
         jax.block_until_ready(fn(*batch))
         times.append(time.perf_counter() - clock)
     return {"first_s": first, "median_s": statistics.median(times), "min_s": min(times)}
+
+
+def host_ops(fn, args: list[tuple]) -> dict:
+    """On a CPU: `fn(*a)` for each of `args` under `jax.profiler`; the XLA operations' time per
+    call, by kind and the heaviest (with the HLO `op_name` they come from)."""
+    hlo = fn.lower(*args[0]).compile().as_text()
+    op_names = dict(
+        re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo, re.M)
+    )
+    instructions = set(re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = ", hlo, re.M))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for a in args:
+            jax.block_until_ready(fn(*a))
+        jax.profiler.stop_trace()
+        (path,) = Path(trace_dir).rglob("*.trace.json.gz")
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    per_op = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in instructions:
+            per_op[e["name"]] += e["dur"] / 1e3 / len(args)  # µs → ms per call
+    by_kind = collections.Counter()
+    for name, ms in per_op.items():
+        by_kind[re.sub(r"\.\d+$", "", name)] += ms
+    return {
+        "ops_ms": sum(per_op.values()),
+        "ops_per_step": len(per_op),
+        "by_kind_ms": dict(by_kind.most_common(12)),
+        "heaviest": [
+            {"name": n, "ms": ms, "op_name": op_names.get(n, "")}
+            for n, ms in per_op.most_common(15)
+        ],
+    }
 
 
 def profile(cfg: train.TrainConfig, dense: bool, steps: int) -> dict:
@@ -100,6 +141,8 @@ def profile(cfg: train.TrainConfig, dense: bool, steps: int) -> dict:
             "heaviest": sorted(timed["kernels"], key=lambda k: -k["ms"])[:15],
             "by_kind_ms": dict(names.most_common(15)),
         }
+    elif jax.default_backend() == "cpu":
+        row["host"] = host_ops(pure_step, [(state, *b) for b in batches[1:4]])
     return row
 
 
