@@ -123,7 +123,9 @@ def long_context(report: dict) -> str:
 def profile(report: dict) -> str:
     """`profile_train_step.py`'s table: per stage, the step and forward wall times, tokens/s,
     and on a GPU the device time, kernel count and the device time by kernel kind (the name's
-    first word: gemm, loop/input fusions, sort, ...)."""
+    first word: gemm, loop/input fusions, sort, ...); on a CPU the XLA operations' summed time
+    and count and their time by kind, then each stage's heaviest operations with the jax
+    operation they come from."""
     cfg = report["config"]
     seq = dict(cfg["task_overrides"]).get("seq_len")
     lines = [
@@ -131,19 +133,28 @@ def profile(report: dict) -> str:
         f"on {cfg['task']}, batch {cfg['batch_size']} × {seq} tokens, model overrides "
         f"{dict(cfg['model_overrides']) or 'none'}.",
         "",
-        "| stage | train step (median) | forward (median) | tokens/s | device ms | kernels | "
-        "device ms by kind |",
+        "| stage | train step (median) | forward (median) | tokens/s | device (or CPU ops) ms | "
+        "kernels (or ops) | ms by kind |",
         "|---|---|---|---|---|---|---|",
     ]
+    heaviest = []
     for r in report["results"]:
-        d = r.get("device", {})
+        d = r.get("device") or r.get("host") or {}
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in d.get("by_kind_ms", {}).items())
+        total = d.get("median_ms", d.get("ops_ms", float("nan")))
+        count = d.get("kernels_per_step", d.get("ops_per_step", "n/a"))
         lines.append(
             f"| {r['attention']} | {r['train_step']['median_s'] * 1e3:,.0f} ms "
             f"| {r['forward']['median_s'] * 1e3:,.0f} ms | {r['tokens_per_s']:,.0f} "
-            f"| {d.get('median_ms', float('nan')):,.0f} | {d.get('kernels_per_step', 'n/a')} "
-            f"| {kinds or 'n/a'} |"
+            f"| {total:,.0f} | {count} | {kinds or 'n/a'} |"
         )
+        if "host" in r:
+            heaviest += [(r["attention"], op) for op in r["host"]["heaviest"][:10]]
+    if heaviest:
+        lines += ["", "| stage | operation | ms | from (HLO op_name) |", "|---|---|---|---|"]
+        for stage, op in heaviest:
+            source = op["op_name"].replace("jit(pure_step)/jit(_train_step)/", "")
+            lines.append(f"| {stage} | {op['name']} | {op['ms']:.1f} | `{source}` |")
     return "\n".join(lines)
 
 
