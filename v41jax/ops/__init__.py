@@ -22,6 +22,7 @@ from v41jax.ops.attention import (
     chunk_attention,
     masked_attention,
     packed_sparse_attention,
+    sharded_packed_sparse_attention,
     sliding_window_rows,
     softmax_with_sink,
     sparse_attention,
@@ -50,6 +51,8 @@ from v41jax.ops.pool import (
     pooled_scores,
     pooled_topk,
     select_candidate_blocks,
+    sharded_candidate_blocks,
+    sharded_pooled_topk,
 )
 from v41jax.ops.scoring import (
     TopK,
@@ -92,6 +95,9 @@ __all__ = [
     "pooled_scores",
     "pooled_topk",
     "select_candidate_blocks",
+    "sharded_candidate_blocks",
+    "sharded_packed_sparse_attention",
+    "sharded_pooled_topk",
     "sliding_window_rows",
     "softmax_with_sink",
     "sparse_attention",

@@ -10,11 +10,13 @@ scale = D^-0.5 by default. Invalid keys (window slots marked invalid, index −1
 query with no valid key outputs exactly zero (the sink then holds all the mass), never NaN.
 Duplicated indices count twice, as in the reference (there is no deduplication, §5).
 
-Four forms of the one op, all built on `softmax_with_sink`:
+Five forms of the one op, all built on `softmax_with_sink` (or its terms):
 - `sparse_attention`: queries with per-query indices into a float compressed KV (the definition);
 - `packed_sparse_attention`: the same over the packed caches of decode (gather the selected
   packed rows, unpack only those, `sparse_attention`): the definition the FP4-dequant kernel of
   `pallas_kernels.sparse_attention` is tested against (DESIGN §6);
+- `sharded_packed_sparse_attention`: the same with the packed cache sharded by position over a
+  mesh axis (issue 15): per-device softmax partials combined by the log-sum-exp rule;
 - `masked_attention`: a whole sequence (prefill, training): the window as a band over the
   sequence's own rows, the selection as a [T, S] mask over its compressed KV.
 - `chunk_attention`: a chunk of a long sequence's queries (training, prefill): the window and
@@ -27,13 +29,20 @@ from __future__ import annotations
 from typing import Literal, NamedTuple, overload
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int, UInt8
 
 from v41jax.ops import formats
-from v41jax.ops.checks import require_broadcast, require_dtype, require_min_ndim
+from v41jax.ops.checks import (
+    check_sequence_sharding,
+    require_broadcast,
+    require_dtype,
+    require_min_ndim,
+)
 
 
 class SparseAttentionResult(NamedTuple):
@@ -62,6 +71,24 @@ def _sparse_attention_xla(
     sink: Float[Array, " head"],
     scale: float | Float[Array, ""],
 ) -> SparseAttentionResult:
+    keys, valid, logits = _attention_logits(q, window_kv, window_valid, kv, indices, scale)
+    probs, lse = softmax_with_sink(logits, valid[..., None, :], sink)
+    out = jnp.einsum("...hj,...jd->...hd", probs, keys, precision=lax.Precision.HIGHEST)
+    return SparseAttentionResult(out, probs, lse)
+
+
+def _attention_logits(
+    q: Float[Array, "*batch head dim"],
+    window_kv: Float[Array, "*#batch window dim"],
+    window_valid: Bool[Array, "*#batch window"],
+    kv: Float[Array, "*#batch n_kv dim"],
+    indices: Int[Array, "*#batch topk"],
+    scale: float | Float[Array, ""],
+) -> tuple[
+    Float[Array, "*batch key dim"], Bool[Array, "*batch key"], Float[Array, "*batch head key"]
+]:
+    """The keys of `sparse_attention` (window rows, then the selected rows; zero where invalid),
+    their validity and the scaled logits q·k·scale."""
     batch, dim = q.shape[:-2], q.shape[-1]
     n_kv = kv.shape[-2]
 
@@ -93,9 +120,7 @@ def _sparse_attention_xla(
     logits = jnp.einsum(
         "...hd,...jd->...hj", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST
     )
-    probs, lse = softmax_with_sink(logits * scale, valid[..., None, :], sink)
-    out = jnp.einsum("...hj,...jd->...hd", probs, keys, precision=lax.Precision.HIGHEST)
-    return SparseAttentionResult(out, probs, lse)
+    return keys, valid, logits * scale
 
 
 def softmax_with_sink(
@@ -105,6 +130,20 @@ def softmax_with_sink(
 
     The sink is one more logit per head with a zero value vector (DESIGN §3 step 4): it takes
     part in the normaliser only, so a row's probabilities sum to 1 − (the sink's share)."""
+    row_max, weights, denom = _softmax_terms(logits, valid, sink)
+    lse = row_max + jnp.log(denom)
+    probs = weights / jnp.where(denom == 0, 1.0, denom)[..., None]
+    return probs, lse
+
+
+def _softmax_terms(
+    logits: Float[Array, "*batch head key"], valid: Bool[Array, "*#batch #head key"], sink
+) -> tuple[
+    Float[Array, "*batch head"], Float[Array, "*batch head key"], Float[Array, "*batch head"]
+]:
+    """`softmax_with_sink` before normalising: (row max m, e^{logit − m} (0 at invalid keys),
+    the denominator Σ e^{logit − m} + e^{sink − m}); m is 0 where every logit and the sink are
+    −inf (the denominator is then 0)."""
     logits = jnp.where(valid, logits, -jnp.inf)
     sink = jnp.broadcast_to(sink.astype(jnp.float32), logits.shape[:-1])
     # The sink takes part in the running max, so an empty row has a finite max and exact zeros.
@@ -115,9 +154,7 @@ def softmax_with_sink(
     row_max = lax.stop_gradient(jnp.where(jnp.isneginf(row_max), 0.0, row_max))
     weights = jnp.exp(logits - row_max[..., None])
     denom = jnp.sum(weights, axis=-1) + jnp.exp(sink - row_max)
-    lse = row_max + jnp.log(denom)
-    probs = weights / jnp.where(denom == 0, 1.0, denom)[..., None]
-    return probs, lse
+    return row_max, weights, denom
 
 
 class MaskedAttentionResult(NamedTuple):
@@ -589,9 +626,122 @@ def packed_sparse_attention(
         q, kv_packed, indices, window_packed, window_valid, sink, kv_fmt, window_fmt
     )
     dim = q.shape[-1]
-    valid = (indices >= 0) & (indices < kv_packed.shape[1])
-    rows = jnp.take_along_axis(kv_packed, jnp.where(valid, indices, 0)[..., None], axis=1)
-    selected = formats.unpack(rows, kv_fmt, dim)
+    selected, local = _selected_rows(kv_packed, indices, kv_fmt, dim, first_position=0)
     window = formats.unpack(window_packed, window_fmt, dim)
-    local = jnp.where(valid, jnp.arange(indices.shape[-1], dtype=jnp.int32), -1)
     return sparse_attention(q, window, window_valid, selected, local, sink, scale=scale)
+
+
+def _selected_rows(
+    kv_packed: UInt8[Array, "batch rows kv_row"],
+    indices: Int[Array, "batch topk"],
+    kv_fmt: str,
+    dim: int,
+    first_position: int | Int[Array, ""],
+) -> tuple[Float[Array, "batch topk dim"], Int[Array, "batch topk"]]:
+    """The selected rows that `kv_packed` holds (positions first_position … + rows − 1), gathered
+    and unpacked, and their slots as `sparse_attention` indices: k for slot k, −1 where the
+    index is −1 or held elsewhere."""
+    local = indices - first_position
+    valid = (indices >= 0) & (local >= 0) & (local < kv_packed.shape[1])
+    rows = jnp.take_along_axis(kv_packed, jnp.where(valid, local, 0)[..., None], axis=1)
+    selected = formats.unpack(rows, kv_fmt, dim)
+    return selected, jnp.where(valid, jnp.arange(indices.shape[-1], dtype=jnp.int32), -1)
+
+
+def sharded_packed_sparse_attention(
+    q: Float[Array, "batch head dim"],
+    kv_packed: UInt8[Array, "batch n_kv kv_row"],
+    indices: Int[Array, "batch topk"],
+    window_packed: UInt8[Array, "batch window window_row"],
+    window_valid: Bool[Array, "batch window"],
+    sink: Float[Array, " head"],
+    *,
+    mesh: jax.sharding.Mesh,
+    axis: str,
+    batch_axis: str | None = None,
+    kv_fmt: str = "nvfp4",
+    window_fmt: str = "fp8",
+    scale: float | None = None,
+) -> Float[Array, "batch head dim"]:
+    """`packed_sparse_attention` with the packed main-KV cache sharded by position over the mesh
+    axis `axis` (issue 15): equal to it up to float summation order.
+
+    Each device gathers and unpacks only the selected rows it holds (`_selected_rows`) and
+    computes the partial statistics of the softmax over them (`_softmax_terms`, the one
+    definition): its maximum logit m_d, its sum of exponentials l_d = Σ e^{s − m_d} and its
+    weighted values o_d = Σ e^{s − m_d}·v. The window rows and the sink count on the last device
+    of `axis` only: the window holds the newest tokens, which a sequence-sharded cache keeps
+    where the sequence ends; here they come replicated (a window is W ≤ 128 rows), and the other
+    devices mark them invalid and use a −inf sink. The partials combine by the log-sum-exp rule:
+    M = pmax(m_d), out = psum(o_d·e^{m_d − M}) / psum(l_d·e^{m_d − M}). A device without a valid
+    key or sink counts m_d = −inf (and contributes 0). The rules of `sparse_attention` carry
+    over: a query without a valid key outputs 0, −1 (or any index outside [0, S)) skips a slot,
+    duplicates count twice, and a NaN in a selected row or valid window row makes that query's
+    output NaN (through every partial sum it enters) and no other query's.
+
+    Args:
+      q: [B, H, D] queries; sink: [H]; window_packed: [B, W, row] and window_valid: [B, W] the
+        window rows, replicated over `axis`; kv_fmt, window_fmt, scale: as
+        `packed_sparse_attention`.
+      kv_packed: [B, S, packed_row_bytes(kv_fmt, D)] uint8, S divisible by mesh.shape[axis].
+      indices: [B, K] global positions into kv_packed (−1 for none), replicated over `axis`.
+      mesh: the device mesh; axis: its axis the positions are sharded over; batch_axis: an
+        optional mesh axis the rows are sharded over (B divisible by its size).
+
+    Returns:
+      [B, H, D] float32.
+    """
+    q, kv_packed, indices = jnp.asarray(q), jnp.asarray(kv_packed), jnp.asarray(indices)
+    window_packed, window_valid = jnp.asarray(window_packed), jnp.asarray(window_valid)
+    sink = jnp.asarray(sink)
+    check_packed_attention_args(
+        q, kv_packed, indices, window_packed, window_valid, sink, kv_fmt, window_fmt
+    )
+    n_local = check_sequence_sharding("kv_packed", "S", kv_packed.shape, 1, mesh, axis, batch_axis)
+    dim = q.shape[-1]
+    if not (kv_packed.shape[0] and kv_packed.shape[1]):
+        # No key to shard (a zero-size shard_map operand does not compile): the window alone.
+        return packed_sparse_attention(
+            q, kv_packed, indices, window_packed, window_valid, sink,
+            kv_fmt=kv_fmt, window_fmt=window_fmt, scale=scale,
+        )  # fmt: skip
+    scale = jnp.asarray(_resolve_scale(scale, dim), jnp.float32)
+    n_dev = mesh.shape[axis]
+
+    def local(q, kv_packed, indices, sink, scale, *window):
+        device = lax.axis_index(axis)
+        selected, slots = _selected_rows(kv_packed, indices, kv_fmt, dim, device * n_local)
+        if window:
+            window_packed, window_valid = window
+        else:
+            window_packed = jnp.zeros((q.shape[0], 0, window_row), jnp.uint8)
+            window_valid = jnp.zeros((q.shape[0], 0), bool)
+        window = formats.unpack(window_packed, window_fmt, dim)
+        owner = device == n_dev - 1
+        keys, valid, logits = _attention_logits(
+            q, window, window_valid & owner, selected, slots, scale
+        )
+        row_max, weights, denom = _softmax_terms(
+            logits, valid[..., None, :], jnp.where(owner, sink, -jnp.inf)
+        )
+        hi = lax.Precision.HIGHEST
+        values = jnp.einsum("...hj,...jd->...hd", weights, keys, precision=hi)
+        # A device with nothing to add reports m = −inf (`_softmax_terms` gives 0 and l = 0).
+        row_max = jnp.where(denom == 0, -jnp.inf, row_max)
+        top = lax.pmax(row_max, axis)
+        rescale = jnp.exp(row_max - jnp.where(jnp.isneginf(top), 0.0, top))
+        total = lax.psum(denom * rescale, axis)
+        values = lax.psum(values * rescale[..., None], axis)
+        return values / jnp.where(total == 0, 1.0, total)[..., None]
+
+    # An empty window is built inside: a zero-size shard_map operand crashes XLA's CPU
+    # compiler (jax 0.11.2).
+    window_row = window_packed.shape[-1]
+    window = (window_packed, window_valid) if window_packed.shape[1] else ()
+    rows = P(batch_axis)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, P(batch_axis, axis), rows, P(), P(), *(rows,) * len(window)),
+        out_specs=rows,
+    )(q, kv_packed, indices, sink, scale, *window)

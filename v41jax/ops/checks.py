@@ -72,3 +72,37 @@ def check_finite(x: ArrayLike, name: str = "x") -> None:
     checkify.check(
         ~jnp.any(bad), f"{name}: expected finite values, got {{}} non-finite", jnp.sum(bad)
     )
+
+
+def check_sequence_sharding(
+    name: str,
+    seq_name: str,
+    shape: tuple[int, ...],
+    block_size: int,
+    mesh: jax.sharding.Mesh,
+    axis: str,
+    batch_axis: str | None,
+) -> int:
+    """The checks every sequence-sharded op runs on an array `name` of shape [B, S, ...] whose
+    positions (the `seq_name` axis) are split over the mesh axis `axis` and rows over
+    `batch_axis`: the axes exist, S splits into equal slices of whole blocks of `block_size`,
+    B splits over `batch_axis`. Returns the positions per device, S / mesh.shape[axis]."""
+    for arg, value in (("axis", axis), ("batch_axis", batch_axis)):
+        if value is not None and value not in mesh.shape:
+            raise ValueError(
+                f"{arg}: expected one of the mesh axes {tuple(mesh.shape)}, got {value!r}"
+            )
+    n_dev = mesh.shape[axis]
+    batch, n_pos = shape[:2]
+    if n_pos % (block_size * n_dev):
+        raise ValueError(
+            f"{name}: expected {seq_name} to split into whole blocks over {n_dev} devices of "
+            f"axis {axis!r} (a multiple of {block_size} · {n_dev} = {block_size * n_dev}), "
+            f"got {n_pos}"
+        )
+    if batch_axis is not None and batch % mesh.shape[batch_axis]:
+        raise ValueError(
+            f"{name}: expected B divisible by the {mesh.shape[batch_axis]} devices of "
+            f"batch_axis {batch_axis!r}, got B = {batch}"
+        )
+    return n_pos // n_dev

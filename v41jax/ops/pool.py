@@ -13,6 +13,10 @@ At decode a Reindex layer reads only the pool's packed index-key rows (DESIGN §
 `pooled_topk` its top-k, and `full_scan_topk` what the official reference does instead (score
 every position, mask outside the pool), which selects the same positions.
 
+A sequence-sharded cache (issue 15, DESIGN §8) has the same pool and picks, bit for bit:
+`sharded_candidate_blocks` and `sharded_pooled_topk` split the positions over a mesh axis, take
+a local top-k of (score, global id) per device and merge the all-gathered pairs.
+
 The numerics switches of `scoring` reach every function here as keywords (defaults: the project's
 rules): `score_dtype` the scores, `tie_order` every selection (blocks and positions), and
 `neginf_picks` the position top-k inside a pool (a pool's blocks themselves are always chosen
@@ -40,13 +44,16 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, UInt8
 from v41jax.ops import formats
 from v41jax.ops.checks import (
     as_lengths,
+    check_sequence_sharding,
     require_dtype,
     require_min_ndim,
     require_nonnegative_int,
     require_positive_int,
 )
 from v41jax.ops.scoring import (
+    MAX_PADDED_K,
     NEGINF_PICKS,
+    SCORE_DTYPES,
     TIE_ORDERS,
     TopK,
     fill_picks,
@@ -278,25 +285,11 @@ def sharded_candidate_blocks(
     block_size = require_positive_int("block_size", block_size)
     tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
     reducer = _resolve_reducer(reduce)
-    for name, value in (("axis", axis), ("batch_axis", batch_axis)):
-        if value is not None and value not in mesh.shape:
-            raise ValueError(
-                f"{name}: expected one of the mesh axes {tuple(mesh.shape)}, got {value!r}"
-            )
-    n_dev = mesh.shape[axis]
     batch, n_pos = scores.shape
-    if n_pos % (block_size * n_dev):
-        raise ValueError(
-            f"scores: expected n_pos to split into whole blocks over {n_dev} devices of axis "
-            f"{axis!r} (a multiple of block_size · {n_dev} = {block_size * n_dev}), got {n_pos}"
-        )
-    if batch_axis is not None and batch % mesh.shape[batch_axis]:
-        raise ValueError(
-            f"scores: expected B divisible by the {mesh.shape[batch_axis]} devices of "
-            f"batch_axis {batch_axis!r}, got B = {batch}"
-        )
+    n_local = check_sequence_sharding(
+        "scores", "n_pos", scores.shape, block_size, mesh, axis, batch_axis
+    )
     lens = jnp.clip(as_lengths("compress_lens", compress_lens, (batch,)), 0, n_pos)
-    n_local = n_pos // n_dev
     k_local = min(topk_blocks, n_local // block_size)
 
     def local(scores, lens):
@@ -454,9 +447,27 @@ def pooled_scores(
     block_ids, lengths = jnp.asarray(block_ids), jnp.asarray(lengths)
     check_pooled_scores_args(k_packed, q, weights, block_ids, lengths, block_size, fmt)
     pos = pool_positions(block_ids, block_size)
-    k = formats.unpack(gather_rows(k_packed, pos), fmt, q.shape[-1])
-    lens = jnp.minimum(lengths, k_packed.shape[1])
-    return index_scores_at(q, weights, k, pos, lens, score_dtype=score_dtype)
+    return _slot_scores(k_packed, q, weights, pos, lengths, fmt, score_dtype, first_position=0)
+
+
+def _slot_scores(
+    k_packed: UInt8[Array, "batch rows row_bytes"],
+    q: Float[Array, "batch heads dim"],
+    weights: Float[Array, "batch heads"],
+    pos: Int[Array, "batch n_pool"],
+    lengths: Int[Array, " batch"],
+    fmt: str,
+    score_dtype: str,
+    first_position: int | Int[Array, ""],
+) -> Float[Array, "batch n_pool"]:
+    """`pooled_scores` of the pool slots at positions `pos` held by `k_packed`, the rows of
+    positions first_position … + rows − 1; −inf at every other slot (−1, invisible, or held
+    elsewhere). The one definition the whole cache and a device's slice of it use."""
+    local = pos - first_position
+    here = (pos >= 0) & (local < k_packed.shape[1]) & (local >= 0)
+    k = formats.unpack(gather_rows(k_packed, jnp.where(here, local, -1)), fmt, q.shape[-1])
+    pos = jnp.where(here, pos, -1)
+    return index_scores_at(q, weights, k, pos, lengths, score_dtype=score_dtype)
 
 
 def _out_of_pool_positions(
@@ -522,6 +533,22 @@ def pool_topk_from_scores(
     """
     tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
     picks = topk(scores, k, tie_order=tie_order)
+    return _slot_picks_to_positions(
+        picks, block_ids, k, block_size, lengths, tie_order, neginf_picks
+    )
+
+
+def _slot_picks_to_positions(
+    picks: TopK,
+    block_ids: Int[Array, "*batch n_blocks"],
+    k: int,
+    block_size: int,
+    lengths: Int[ArrayLike, "*batch"] | None,
+    tie_order: str,
+    neginf_picks: str,
+) -> TopK:
+    """The second half of `pool_topk_from_scores`: `topk`'s picks of pool slots (−1 padded) as
+    positions sorted ascending, completed with out-of-pool positions under 'keep'."""
     pos = pool_positions(block_ids, block_size)
     positions = jnp.take_along_axis(pos, jnp.maximum(picks.indices, 0), axis=-1)
     positions = jnp.where(picks.indices >= 0, positions, -1)
@@ -576,6 +603,104 @@ def pooled_topk(
         lengths=jnp.minimum(jnp.asarray(lengths), jnp.shape(k_packed)[1]),
         tie_order=tie_order,
         neginf_picks=neginf_picks,
+    )
+
+
+def sharded_pooled_topk(
+    k_packed: UInt8[Array, "batch seq row_bytes"],
+    q: Float[Array, "batch heads dim"],
+    weights: Float[Array, "batch heads"],
+    block_ids: Int[Array, "batch n_blocks"],
+    lengths: Int[Array, " batch"],
+    k: int,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis: str,
+    batch_axis: str | None = None,
+    block_size: int = 8,
+    fmt: str = "mxfp4",
+    score_dtype: str = "float32",
+    tie_order: str = "oldest",
+    neginf_picks: str = "drop",
+) -> TopK:
+    """`pooled_topk` with the packed index keys sharded by position over the mesh axis `axis`:
+    the same picks and scores, bit for bit (ties, −inf and NaN included), for a
+    sequence-sharded cache (issue 15).
+
+    Each device scores the pool slots whose rows it holds (`_slot_scores`, the one definition;
+    the other slots −inf) and takes its own `topk` of them, as (score, global slot) pairs; an
+    all-gather over `axis` brings every device's pairs together and the merge ranks them by
+    score, then by slot in `tie_order`: `topk`'s order over the whole pool. A slot of the global
+    top k is in its own device's top k, so the merge sees every pick it needs; only a pick that
+    scores > −inf is kept, and each such slot is scored by one device only. The slots then
+    become positions as in `pool_topk_from_scores` (with its `neginf_picks='keep'` completion,
+    which reads no keys). Per query row, devices exchange 8 bytes × k × the number of devices.
+
+    Args:
+      k_packed: [B, S, row_bytes] uint8 packed index keys; S must split into equal slices of
+        whole blocks over `axis` (S % (block_size · mesh.shape[axis]) == 0).
+      q, weights, block_ids, lengths, k, block_size, fmt, score_dtype, tie_order, neginf_picks:
+        as `pooled_topk`; `block_ids` holds global block ids (−1 padded), the same on every
+        device of `axis`.
+      mesh: the device mesh; axis: its axis the positions are sharded over; batch_axis: an
+        optional mesh axis the rows are sharded over (B divisible by its size).
+
+    Returns:
+      `TopK(indices [B, k] int32 positions ascending then −1, scores [B, k] float32)`, equal to
+      `pooled_topk(k_packed, q, weights, block_ids, lengths, k, ...)`.
+    """
+    k_packed, q, weights = jnp.asarray(k_packed), jnp.asarray(q), jnp.asarray(weights)
+    block_ids, lengths = jnp.asarray(block_ids), jnp.asarray(lengths)
+    check_pooled_scores_args(k_packed, q, weights, block_ids, lengths, block_size, fmt)
+    k = require_nonnegative_int("k", k)
+    tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
+    neginf_picks = require_option("neginf_picks", neginf_picks, NEGINF_PICKS)
+    require_option("score_dtype", score_dtype, SCORE_DTYPES)
+    n_local = check_sequence_sharding(
+        "k_packed", "S", k_packed.shape, block_size, mesh, axis, batch_axis
+    )
+    n_pool = block_ids.shape[-1] * block_size
+    if k > max(n_pool, MAX_PADDED_K):
+        raise ValueError(f"k: expected at most max(n_pool={n_pool}, {MAX_PADDED_K}) picks, got {k}")
+    lengths = jnp.minimum(lengths, k_packed.shape[1])
+    k_local = min(k, n_pool)
+
+    def local(k_packed, q, weights, block_ids, lengths):
+        first = lax.axis_index(axis) * n_local
+        pos = pool_positions(block_ids, block_size)
+        scores = _slot_scores(k_packed, q, weights, pos, lengths, fmt, score_dtype, first)
+        picks = topk(scores, k_local, tie_order=tie_order)
+        return (
+            lax.all_gather(picks.scores, axis, axis=1, tiled=True, to="invarying"),
+            lax.all_gather(picks.indices, axis, axis=1, tiled=True, to="invarying"),
+        )
+
+    rows = P(batch_axis)
+    if k_local and k_packed.shape[0] and k_packed.shape[1]:
+        values, slots = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(batch_axis, axis), rows, rows, rows, rows),
+            out_specs=(P(batch_axis, None), P(batch_axis, None)),
+        )(k_packed, q, weights, block_ids, lengths)
+    else:  # no slot, pick, row or key: nothing to score (and a zero-size shard_map operand
+        # does not compile: XLA's CPU compiler crashes, or the all-gather is refused)
+        values = jnp.zeros((q.shape[0], 0), jnp.float32)
+        slots = jnp.zeros((q.shape[0], 0), jnp.int32)
+    # The merge: best score first, then the tie order on the global slot (dropped picks, −1
+    # with −inf, rank last and stay dropped).
+    slot_key = slots if tie_order == "oldest" else -slots
+    neg, _, slots = lax.sort((-values, slot_key, slots), dimension=-1, num_keys=2)
+    n_keep = min(k, slots.shape[-1])
+    neg, slots = neg[..., :n_keep], slots[..., :n_keep]
+    picks = sorted_picks(slots, -neg, (-neg > -jnp.inf) & (slots >= 0))
+    pad = ((0, 0), (0, k - n_keep))
+    picks = TopK(
+        jnp.pad(picks.indices, pad, constant_values=-1),
+        jnp.pad(picks.scores, pad, constant_values=-jnp.inf),
+    )
+    return _slot_picks_to_positions(
+        picks, block_ids, k, block_size, lengths, tie_order, neginf_picks
     )
 
 
