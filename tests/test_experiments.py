@@ -320,12 +320,13 @@ def test_long_context_task_stages_stop_on_the_convergence_rule(tmp_path):
     out, runs = tmp_path / "report.json", tmp_path / "runs"
     argv = ["--smoke", "--out", str(out), "--runs-dir", str(runs), "--short-lrs", "5e-3"]
     argv += ["--converge-accuracy", "1e-9", "--short-steps", "50", "--long-steps", "50"]
+    argv += ["--ladder", "48"]  # one short rung, then the long stage
     assert long_context_task.main(argv) == 0
     report = json.loads(out.read_text())
     assert not report["partial"]
     # Accuracy >= 1e-9 holds once two evaluations in a row get one answer right: each stage
     # of this seed does so within a few steps, well before the cap of 50.
-    assert [s["summary"]["converged"] for s in report["stages"]] == [True] * 3
+    assert [s["summary"]["converged"] for s in report["stages"]] == [True] * 2
     assert all(s["done"] and s["summary"]["step"] < 50 for s in report["stages"])
 
 
