@@ -243,6 +243,25 @@ def select_candidate_blocks(
     return CandidatePool(mask, block_ids)
 
 
+def _merge_gathered_topk(
+    values: Float[Array, "batch n"], ids: Int[Array, "batch n"], k: int, tie_order: str
+) -> TopK:
+    """The merge of the sequence-sharded selections: every device's (score, global id) pairs,
+    all-gathered, ranked by score, then by id in `tie_order` (`topk`'s order); the top `k`
+    with a score > −inf and an id >= 0, as `sorted_picks` orders them, padded to `k` with
+    (−1, −inf). Dropped local picks (−1, −inf) rank last and stay dropped."""
+    id_key = ids if tie_order == "oldest" else -ids
+    neg, _, ids = lax.sort((-values, id_key, ids), dimension=-1, num_keys=2)
+    n_keep = min(k, ids.shape[-1])
+    neg, ids = neg[..., :n_keep], ids[..., :n_keep]
+    picks = sorted_picks(ids, -neg, (-neg > -jnp.inf) & (ids >= 0))
+    pad = ((0, 0), (0, k - n_keep))
+    return TopK(
+        jnp.pad(picks.indices, pad, constant_values=-1),
+        jnp.pad(picks.scores, pad, constant_values=-jnp.inf),
+    )
+
+
 def sharded_candidate_blocks(
     scores: Float[Array, "batch n_pos"],
     compress_lens: Int[ArrayLike, " batch"],
@@ -311,15 +330,7 @@ def sharded_candidate_blocks(
         in_specs=(P(batch_axis, axis), rows),
         out_specs=(P(batch_axis, None), P(batch_axis, None)),
     )(scores, lens)
-    # The merge: best score first, then the tie order on the global block id.
-    id_key = ids if tie_order == "oldest" else -ids
-    neg, _, ids = lax.sort((-values, id_key, ids), dimension=-1, num_keys=2)
-    n_keep = min(topk_blocks, ids.shape[-1])
-    neg, ids = neg[..., :n_keep], ids[..., :n_keep]
-    picks = sorted_picks(ids, -neg, -neg > -jnp.inf)
-    block_ids = picks.indices
-    if n_keep < topk_blocks:
-        block_ids = jnp.pad(block_ids, ((0, 0), (0, topk_blocks - n_keep)), constant_values=-1)
+    block_ids = _merge_gathered_topk(values, ids, topk_blocks, tie_order).indices
     mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lens)
     return CandidatePool(mask, block_ids)
 
@@ -687,18 +698,7 @@ def sharded_pooled_topk(
         # does not compile: XLA's CPU compiler crashes, or the all-gather is refused)
         values = jnp.zeros((q.shape[0], 0), jnp.float32)
         slots = jnp.zeros((q.shape[0], 0), jnp.int32)
-    # The merge: best score first, then the tie order on the global slot (dropped picks, −1
-    # with −inf, rank last and stay dropped).
-    slot_key = slots if tie_order == "oldest" else -slots
-    neg, _, slots = lax.sort((-values, slot_key, slots), dimension=-1, num_keys=2)
-    n_keep = min(k, slots.shape[-1])
-    neg, slots = neg[..., :n_keep], slots[..., :n_keep]
-    picks = sorted_picks(slots, -neg, (-neg > -jnp.inf) & (slots >= 0))
-    pad = ((0, 0), (0, k - n_keep))
-    picks = TopK(
-        jnp.pad(picks.indices, pad, constant_values=-1),
-        jnp.pad(picks.scores, pad, constant_values=-jnp.inf),
-    )
+    picks = _merge_gathered_topk(values, slots, k, tie_order)
     return _slot_picks_to_positions(
         picks, block_ids, k, block_size, lengths, tie_order, neginf_picks
     )
