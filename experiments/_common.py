@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--init-from",
         metavar="RUN_DIR",
         help="start every run from this run's latest weights ({seed}: each seed's own run, e.g. "
-        "runs/long_context_task/multi_passkey/seed{seed}/short512-lr0.001); fresh otherwise",
+        "runs/long_context_task/multi_passkey/short512-lr0.001/seed{seed}); fresh otherwise",
     )
     parser.add_argument("--eval-every", type=int, help=f"({defaults.eval_every})")
     parser.add_argument(

@@ -91,7 +91,7 @@ def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
     base = train.make_config(
         preset=preset,
         task=args.task,
-        seed=args.seed,
+        seed=args.seeds[0],
         task_changes=dict(task, seq_len=ladder[0]),
         batch_size=short["batch_size"],
         steps=args.short_steps or short["steps"],
@@ -109,8 +109,8 @@ def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
         model_changes={"query_chunk": long["query_chunk"]},
         batch_size=long["batch_size"],
         steps=args.long_steps or long["steps"],
-        attention="sparse",
-        dense_warmup_steps=long["dense_warmup_steps"],
+        attention=args.long_attention,
+        dense_warmup_steps=long["dense_warmup_steps"] if args.long_attention == "sparse" else 0,
         learning_rate=args.long_lr,
         eval_every=long["eval_every"],
         checkpoint_every=long["eval_every"],
@@ -206,11 +206,26 @@ def main(argv: list[str] | None = None) -> int:
         "--table", type=Path, nargs="+", help="print the table of these reports and exit"
     )
     parser.add_argument(
-        "--runs-dir", type=Path, help="default runs/long_context_task/<task>/seed<seed>"
+        "--runs-dir",
+        type=Path,
+        help="default runs/long_context_task/<task>; each stage's runs in <stage>/seed<k>",
     )
     parser.add_argument("--preset", default="small")
     parser.add_argument("--task", choices=sorted(TASKS), default="multi_passkey")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="seeds trained through the same stages (0); a rung's learning rate is chosen by "
+        "the seeds' mean accuracy, so every seed climbs the same ladder",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        help="seeds of a stage trained together in one program (`train.run_seeds`; default: "
+        "all of them on an accelerator, one at a time on the CPU)",
+    )
     parser.add_argument(
         "--ladder",
         type=int,
@@ -221,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-lr", type=float, default=1e-3)
     parser.add_argument("--short-steps", type=int, help=f"each rung's cap ({SHORT['steps']})")
     parser.add_argument("--long-steps", type=int, help=f"the long stage's cap ({LONG['steps']})")
+    parser.add_argument(
+        "--long-attention",
+        choices=("sparse", "dense"),
+        default="sparse",
+        help="the long stage: a dense warm-up then the pool (sparse), or dense attention only "
+        "(dense: a shared prefix for the studies, whose variants start from it; sparse)",
+    )
     parser.add_argument(
         "--converge-accuracy",
         type=float,
@@ -238,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out: expected the report's path (or --table FILE ...)")
-    args.runs_dir = args.runs_dir or Path("runs") / EXPERIMENT / args.task / f"seed{args.seed}"
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds: expected distinct seeds, got {args.seeds}")
+    args.runs_dir = args.runs_dir or Path("runs") / EXPERIMENT / args.task
     began = time.perf_counter()
 
     def left() -> float | None:
@@ -251,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "experiment": EXPERIMENT,
         "argv": list(sys.argv if argv is None else argv),
         "smoke": args.smoke,
+        "seeds": list(args.seeds),
         "distance_edges": None,
         "partial": True,
         "stages": [],
@@ -261,52 +286,67 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
 
-    def run_stage(name: str, cfg: train.TrainConfig, run_dir: Path) -> dict | None:
+    def run_stage(name: str, cfg: train.TrainConfig) -> list[dict] | None:
+        """The stage `name` of every seed (`cfg` with each seed), one record per seed."""
         budget = left()
         if budget is not None and budget < 30:
             print(f"{name}: not started, the guard has {budget:.0f} s left", flush=True)
             return None
-        result = train.run(cfg, run_dir, resume=True, progress=False, max_seconds=budget)
-        print(train.summarize(cfg, run_dir, result), flush=True)
-        record = _stage_record(name, cfg, run_dir, result)
-        report["stages"].append(record)
+        stage_dir = args.runs_dir / name
+        cfgs = [cfg.replace(seed=seed) for seed in args.seeds]
+        results = train.run_seeds(
+            cfgs,
+            stage_dir,
+            group_size=args.group_size,
+            resume=True,
+            progress=False,
+            max_seconds=budget,
+        )
+        records = []
+        for seed_cfg, result in zip(cfgs, results, strict=True):
+            seed_dir = train.seed_dir(stage_dir, seed_cfg.seed)
+            print(train.summarize(seed_cfg, seed_dir, result), flush=True)
+            records.append(_stage_record(name, seed_cfg, seed_dir, result))
+        report["stages"] += records
         write()
-        return record
+        return records
 
-    def choose(records: list[dict]) -> tuple[dict, train.TrainConfig] | None:
-        if not all(r["done"] for r in records):
+    def choose(stages: list[list[dict]]) -> tuple[str, train.TrainConfig] | None:
+        """The stage (of one rung's learning rates) with the best mean accuracy over the
+        seeds (the first on a tie): its directory, every seed's `{seed}` in it, and config."""
+        if not all(r["done"] for records in stages for r in records):
             print("a stage is not finished: run the same command again", flush=True)
             return None
-        best = max(records, key=lambda r: r["summary"]["accuracy"])
-        return best, train.TrainConfig.from_json(best["train_config"])
+        best = max(stages, key=lambda rs: sum(r["summary"]["accuracy"] for r in rs) / len(rs))
+        name = best[0]["stage"]
+        cfg = train.TrainConfig.from_json(best[0]["train_config"]).replace(seed=args.seeds[0])
+        return str(args.runs_dir / name / train.SEED_DIR), cfg
 
     def rung_name(cfg: train.TrainConfig) -> str:
         return f"short{cfg.make_task().seq_len}-lr{cfg.learning_rate:g}"
 
-    records = []
+    stages = []
     for cfg in firsts:
-        record = run_stage(rung_name(cfg), cfg, args.runs_dir / rung_name(cfg))
-        if record is None:
+        if (records := run_stage(rung_name(cfg), cfg)) is None:
             return 0
-        records.append(record)
+        stages.append(records)
     for fields in later["rung_fields"]:
-        if (chosen := choose(records)) is None:
+        if (chosen := choose(stages)) is None:
             return 0
-        best, best_cfg = chosen
-        cfg = train.make_config(best_cfg, init_from=best["run_dir"], **fields)
-        if (record := run_stage(rung_name(cfg), cfg, args.runs_dir / rung_name(cfg))) is None:
+        best_dir, best_cfg = chosen
+        cfg = train.make_config(best_cfg, init_from=best_dir, **fields)
+        if (records := run_stage(rung_name(cfg), cfg)) is None:
             return 0
-        records = [record]
-    if args.short_only or (chosen := choose(records)) is None:
+        stages = [records]
+    if args.short_only or (chosen := choose(stages)) is None:
         return 0
-    best, best_cfg = chosen
-    long_cfg = train.make_config(best_cfg, init_from=best["run_dir"], **later["long_fields"])
-    report["chosen_short"] = {"run_dir": best["run_dir"], "learning_rate": best_cfg.learning_rate}
+    best_dir, best_cfg = chosen
+    long_cfg = train.make_config(best_cfg, init_from=best_dir, **later["long_fields"])
+    report["chosen_short"] = {"run_dir": best_dir, "learning_rate": best_cfg.learning_rate}
     report["distance_edges"] = list(evaluate.distance_edges(long_cfg.model_config()))
-    record = run_stage("long", long_cfg, args.runs_dir / "long")
-    if record is None:
+    if (records := run_stage("long", long_cfg)) is None:
         return 0
-    report["partial"] = not record["done"]
+    report["partial"] = not all(r["done"] for r in records)
     write()
     return 0
 

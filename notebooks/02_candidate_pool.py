@@ -37,7 +37,7 @@
 # `V41JAX_RUN_DIR=<dir>` reads a run that exists instead of training one: any run directory of
 # `v41jax train` or of a study, e.g. one seed of the block-score ablation
 # (`runs/block_score_ablation/max/seed0`) or the 4 K stage of the long-context curriculum
-# (`runs/long_context_task/multi_passkey/seed0/long`), so a study's pools can be looked at
+# (`runs/long_context_task/multi_passkey/long/seed0`), so a study's pools can be looked at
 # seed by seed.
 
 # %%

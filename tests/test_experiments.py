@@ -291,11 +291,13 @@ def test_long_context_task_smoke_runs_the_curriculum_and_prints_its_table(tmp_pa
     best = max(firsts, key=lambda s: s["summary"]["accuracy"])
     rung_cfg = train.TrainConfig.from_json(rung["train_config"])
     best_cfg = train.TrainConfig.from_json(best["train_config"])
-    assert rung_cfg.init_from == best["run_dir"]
+    # init_from names every seed's own run of the chosen stage ({seed}).
+    assert rung_cfg.init_from.format(seed=0) == best["run_dir"]
     assert rung_cfg.learning_rate == best_cfg.learning_rate and rung_cfg.attention == "dense"
-    assert report["chosen_short"]["run_dir"] == rung["run_dir"]
+    assert report["chosen_short"]["run_dir"].format(seed=0) == rung["run_dir"]
     long_cfg = train.TrainConfig.from_json(long["train_config"])
-    assert long_cfg.init_from == rung["run_dir"] and long_cfg.attention == "sparse"
+    assert long_cfg.init_from.format(seed=0) == rung["run_dir"]
+    assert long_cfg.attention == "sparse"
     lens = [
         train.TrainConfig.from_json(s["train_config"]).make_task().seq_len
         for s in (best, rung, long)

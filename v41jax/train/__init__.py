@@ -17,6 +17,7 @@ Imports the model layer (`v41jax.nn`) and the ops; the CLI, experiments and note
 """
 
 from v41jax.train.group import (
+    SEED_DIR,
     GroupStepHook,
     GroupStepRunner,
     check_group,
@@ -51,6 +52,7 @@ from v41jax.train.trainer import (
 __all__ = [
     "EVAL_SEED_OFFSET",
     "MESH_AXES",
+    "SEED_DIR",
     "GroupStepHook",
     "GroupStepRunner",
     "RunDirectoryError",
