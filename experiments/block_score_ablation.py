@@ -63,17 +63,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _common.add_arguments(parser)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        help=f"the variants to run, in this order (all: {' '.join(VARIANTS)})",
+    )
     args = parser.parse_args(argv)
     _common.resolve_paths(args, NAME)
     base = _common.train_config(args)
+    variants = {v: VARIANTS[v] for v in args.variants or VARIANTS}
     config = {
         **_common.report_config(NAME, args, argv, base),
-        "variants": VARIANTS,
+        "variants": variants,
         "reference": REFERENCE,
     }
     json_path, png_path = args.out_dir / f"{NAME}.json", args.out_dir / f"{NAME}.png"
     records: list[dict] = []
-    for variant, changes in VARIANTS.items():
+    for variant, changes in variants.items():
         cfgs = [train.make_config(base, seed=seed, **changes) for seed in args.seeds]
         run_dir = args.runs_dir / variant
         for cfg, result in zip(cfgs, _common.train_seeds(cfgs, run_dir, args), strict=True):

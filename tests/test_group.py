@@ -260,3 +260,19 @@ def test_a_group_stops_once_every_seed_meets_the_convergence_rule(tmp_path, monk
     assert all(r["converged"] and not r["stopped_early"] for r in results)
     for seed in SEEDS:
         assert (tmp_path / "group" / f"seed{seed}" / "checkpoints" / "2").exists()
+
+
+def test_the_time_guard_spans_the_whole_call_not_each_group(tmp_path, monkeypatch):
+    """`max_seconds` guards the call: each group starts with what the ones before it left."""
+    now, given = [0.0], []
+
+    def fake_run(cfg, run_dir, **options):
+        given.append(options["max_seconds"])
+        now[0] += 45.0  # each group trains 45 s
+        return {"seed": cfg.seed}
+
+    monkeypatch.setattr(train.group.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(train.group.trainer, "run", fake_run)
+    cfgs = [CFG.replace(seed=s) for s in (0, 1, 2)]
+    results = train.run_seeds(cfgs, tmp_path / "g", group_size=1, max_seconds=60.0, **OPTIONS)
+    assert given == [60.0, 15.0, 0.0] and [r["seed"] for r in results] == [0, 1, 2]

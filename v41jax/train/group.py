@@ -253,8 +253,9 @@ def run_seeds(
         a single run).
       group_size: seeds trained together (default `default_group_size`: all of them on an
         accelerator, one at a time on the CPU). Smaller groups need less device memory.
-      resume, progress, stop_after, max_seconds, log_every: as for `trainer.run`, for every seed
-        (`max_seconds` guards each group's training).
+      resume, progress, stop_after, log_every: as for `trainer.run`, for every seed.
+      max_seconds: a guard on the whole call's training, not each group's: a group starts with
+        what the groups before it left (at least one step; `resume` continues it).
 
     Returns:
       each seed's summary (`trainer.run`'s result), in the order of `cfgs`.
@@ -276,8 +277,10 @@ def run_seeds(
         max_seconds=max_seconds,
         log_every=log_every,
     )
-    results = []
+    results, clock = [], time.perf_counter()
     for group in groups:
+        if max_seconds is not None:
+            options["max_seconds"] = max(0.0, max_seconds - (time.perf_counter() - clock))
         if len(group) == 1:
             results.append(trainer.run(group[0], seed_dir(run_dir, group[0].seed), **options))
         else:
