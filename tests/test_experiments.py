@@ -11,6 +11,7 @@ from experiments import (
     _common,
     block_score_ablation,
     kv_format_study,
+    long_context_studies,
     long_context_task,
     merge_reports,
     pool_size_sweep,
@@ -340,3 +341,47 @@ def test_wilson_interval():
         assert 0.0 <= lo <= p <= hi <= 1.0
         wider = long_context_task.wilson(p, n // 4)
         assert wider[0] <= lo and hi <= wider[1]
+
+
+def test_long_context_studies_smoke_runs_the_phases_from_the_prefix_and_resumes(tmp_path, capsys):
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = ["--smoke", "--seeds", "0", "--out-dir", str(out), "--work-dir", str(work)]
+    assert long_context_studies.main(argv) == 0
+    prefix = json.loads((out / "long_context_prefix.json").read_text())
+    assert not prefix["partial"] and prefix["stages"][-1]["stage"] == "long"
+    assert train.TrainConfig.from_json(prefix["stages"][-1]["train_config"]).attention == "dense"
+    ratios = {}
+    for ratio, variant in long_context_studies.SMOKE_PHASES:
+        ratios.setdefault(ratio, []).append(variant)
+    for ratio, variants in ratios.items():
+        report = json.loads((out / f"block_score_4k_ratio{ratio}.json").read_text())
+        assert (out / f"block_score_4k_ratio{ratio}.png").exists()
+        assert not report["config"]["partial"] and set(report["summary"]) == set(variants)
+        for record in report["results"]:
+            cfg = train.TrainConfig.from_json(
+                json.loads((Path(record["run_dir"]) / "config.json").read_text())
+            )
+            # Every phase starts sparse from the seed's dense 4 K prefix, with the ratio's pool.
+            assert cfg.init_from.format(seed=0) == prefix["stages"][-1]["run_dir"]
+            model = cfg.model_config()
+            positions = pool_size_sweep.source_positions(model, cfg.make_task().seq_len)
+            blocks = max(1, positions // (ratio * model.candidate_block_size))
+            assert model.candidate_topk_blocks == report["config"]["pool_blocks"] == blocks
+            assert record["variant"] == "dense" or cfg.dense_warmup_steps == 0
+    # Run again: every phase is done, so nothing trains and the reports stay as they were.
+    before = {p.name: p.read_text() for p in out.glob("*.json")}
+    capsys.readouterr()
+    assert long_context_studies.main(argv) == 0
+    assert "== ratio" not in capsys.readouterr().out
+    assert {p.name: p.read_text() for p in out.glob("*.json")} == before
+    # A phase without its report is to do, and its ratio's combined report is partial.
+    ratio, variant = long_context_studies.SMOKE_PHASES[-1]
+    plan = long_context_studies.Plan(argparse.Namespace(smoke=True, seeds=[0], work_dir=work))
+    plan.report_path(ratio, variant).unlink()
+    assert (
+        long_context_studies.combined(plan, ratio) is None
+        or long_context_studies.combined(plan, ratio)["config"]["partial"]
+    )
+    assert f"{long_context_studies.phase_name(ratio, variant)}: to do" in (
+        long_context_studies.status(plan)
+    )
