@@ -285,3 +285,39 @@ def test_the_loop_step_runner_equals_train_step():
     )
     for a, b in pairs:
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_evidence_metrics_count_the_answer_position_in_the_pool_and_the_selections():
+    """`evidence_in_pool` and each Reindex layer's `evidence_selected` / `evidence_topk` equal a
+    count over the model's own trace, query by query, at scored queries beyond the pool."""
+    cfg = train.make_config(
+        train.TrainConfig(),
+        task="multi_passkey",
+        task_changes=dict(seq_len=256),
+        model_changes=dict(candidate_topk_blocks=2),
+    )
+    model = train.build(cfg)[0]
+    task, c = cfg.make_task(), cfg.model_config()
+    got = evaluate.evaluate(model, task, seed=5, batches=1, batch_size=4, dense=False)
+    b = task.batch_at(5, 0, 4)
+    _, trace = model.run(jnp.asarray(b.tokens), dense=False, diagnostics=True)
+    pool = np.asarray(trace[c.candidate_source_layer].shared.pool.mask)
+    layers = [(p.layer, s) for p, s in zip(c.layers, trace, strict=True) if p.uses_candidates]
+    counts = {"evidence_in_pool": 0}
+    n = 0
+    for i, t in zip(*np.nonzero(b.loss_mask), strict=True):
+        e = b.evidence[i, t]  # every layer here has compress ratio 1
+        if not (0 <= e <= t and t + 1 > c.candidate_pool_size):
+            continue
+        n += 1
+        counts["evidence_in_pool"] += bool(pool[i, t, e])
+        for layer, step in layers:
+            for name, picks in (
+                ("selected", step.shared.topk),
+                ("topk", step.aux["unrestricted_topk"]),
+            ):
+                key = f"layer{layer}/evidence_{name}"
+                counts[key] = counts.get(key, 0) + bool(e in np.asarray(picks)[i, t])
+    assert n > 0 and len(counts) == 1 + 2 * len(layers)
+    for key, count in counts.items():
+        assert got[key] == pytest.approx(count / n), key

@@ -9,7 +9,10 @@ the layer's dense attention over the compressed positions (summed over heads, re
   - within-pool recall |S ∩ U_A| / |U_A| with U_A the top-k of A (same queries): how much of
     what the layer's dense attention would pick the selection keeps;
   - attention mass covered by S and by P (Σ A over them);
-  - pool recall by distance bucket (t − s).
+  - pool recall by distance bucket (t − s);
+  - the evidence (the one position a scored answer needs, `tasks.Batch.evidence`) in the
+    candidate pool (`evidence_in_pool`), in the layer's selection (`evidence_selected`) and in
+    its unrestricted top-k (`evidence_topk`), at scored queries beyond the pool's size.
 Task accuracy is split by evidence distance (`tasks.Batch.evidence`).
 """
 
@@ -66,6 +69,15 @@ def _eval_batch(model: Model, tokens, targets, loss_mask, evidence, key, *, dens
         return out
 
     pool = trace[c.candidate_source_layer].shared.pool.mask
+    source_ratio = c.layers[c.candidate_source_layer].compress_ratio
+    # The evidence (the one token a scored answer needs) at the candidate source's positions:
+    # in the pool or not, at scored queries that see more positions than the pool holds.
+    t_lens = (jnp.arange(seq) + 1) // source_ratio
+    ev = jnp.where(evidence >= 0, evidence // source_ratio, -1)
+    scored = loss_mask & (ev >= 0) & (ev < t_lens) & (t_lens > c.candidate_pool_size)
+    ev_in_pool = jnp.take_along_axis(pool, jnp.clip(ev, 0, pool.shape[-1] - 1)[..., None], -1)
+    n_scored = jnp.sum(scored).astype(jnp.float32)
+    out["evidence_in_pool"] = (jnp.sum(ev_in_pool[..., 0] & scored).astype(jnp.float32), n_scored)
     for plan, step in zip(c.layers, trace, strict=True):
         if not plan.uses_candidates:
             continue
@@ -89,6 +101,11 @@ def _eval_batch(model: Model, tokens, targets, loss_mask, evidence, key, *, dens
             "_oracle": _pool(c, jnp.where(visible, dense_probs, -jnp.inf), lens),
         }
         name = f"layer{plan.layer}"
+        # The evidence in the layer's selection (inside the pool) and in its unrestricted top-k.
+        ev_here = jnp.where(evidence >= 0, evidence // plan.compress_ratio, -1)[..., None]
+        for metric, picks in (("evidence_selected", selected), ("evidence_topk", unrestricted)):
+            hit = jnp.any((picks == ev_here) & (picks >= 0), -1) & scored
+            out[f"{name}/{metric}"] = (jnp.sum(hit).astype(jnp.float32), n_scored)
         for suffix, p in pools.items():
             recall = diagnostics.candidate_pool_recall(unrestricted, p, lens, c.candidate_pool_size)
             out[f"{name}/pool_recall{suffix}"] = (recall.value * recall.count, recall.count)
