@@ -59,6 +59,14 @@ def _steps(records: list[dict]) -> str:
     return span + (" (capped)" if capped else "")
 
 
+def _steps_to(records: list[dict]) -> str:
+    """Mean steps to the study's threshold over the seeds that reached it, and how many did."""
+    reached = [r["steps_to_threshold"] for r in records if r.get("steps_to_threshold") is not None]
+    if not reached:
+        return "—" if all("steps_to_threshold" not in r for r in records) else f"(0/{len(records)})"
+    return f"{sum(reached) / len(reached):.0f} ({len(reached)}/{len(records)})"
+
+
 def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
     config, summary, records = report["config"], report["summary"], report["results"]
     layers = config["reindex_layers"]
@@ -73,6 +81,9 @@ def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
         *(f"layer {n} pool recall: pool / random / recent / oracle (%)" for n in names),
         f"within-pool recall L{' / L'.join(names)} (%)",
         f"mass selected L{' / L'.join(names)} (%)",
+        "steps to threshold: mean (reached)",
+        "evidence in pool (%)",
+        f"evidence selected L{' / L'.join(names)} (%)",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     pool = ("pool_recall", "pool_recall_random", "pool_recall_recent", "pool_recall_oracle")
@@ -88,6 +99,9 @@ def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
             *_per_layer(s, layers, pool),
             _joined(s, layers, "within_pool_recall"),
             _joined(s, layers, "mass_selected"),
+            _steps_to(own),
+            _pct(s.get("evidence_in_pool")),
+            _joined(s, layers, "evidence_selected"),
         ]
         lines.append("| " + " | ".join(row) + " |")
     seeds = sorted({r["seed"] for r in records})
@@ -111,11 +125,15 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
     ref = {r["seed"]: r for r in records if r["variant"] == reference}
     variants = [v for v in dict.fromkeys(r["variant"] for r in records) if v != reference]
     variants = sorted(variants, key=order) if order else variants
-    lines = [
+    metrics = [("accuracy", 100, "+.1f"), ("task_loss", 1, "+.4f")]
+    header = (
         f"| variant | Δ accuracy vs {reference}, same seed (points): mean [95 % CI] | min … max "
-        f"| Δ task loss vs {reference}: mean [95 % CI] | seeds |",
-        "|---|---|---|---|---|",
-    ]
+        f"| Δ task loss vs {reference}: mean [95 % CI] "
+    )
+    if any(r.get("evidence_in_pool") is not None for r in records):
+        metrics.append(("evidence_in_pool", 100, "+.1f"))
+        header += "| Δ evidence in pool (points): mean [95 % CI] "
+    lines = [header + "| seeds |", "|---" * (len(metrics) + 3) + "|"]
     for variant in variants:
         pairs = [
             (r, ref[r["seed"]]) for r in records if r["variant"] == variant and r["seed"] in ref
@@ -123,8 +141,13 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
         if not pairs:
             continue
         cells = []
-        for key, scale, fmt in (("accuracy", 100, "+.1f"), ("task_loss", 1, "+.4f")):
-            d = [scale * (r[key] - f[key]) for r, f in pairs]
+        for key, scale, fmt in metrics:
+            d = [
+                scale * (r[key] - f[key]) for r, f in pairs if None not in (r.get(key), f.get(key))
+            ]
+            if not d:
+                cells.append("—")
+                continue
             ci = _common.t_interval(d)
             interval = "—" if ci is None else f"{ci[0]:{fmt}}, {ci[1]:{fmt}}"
             cells.append(f"{sum(d) / len(d):{fmt}} [{interval}]")
