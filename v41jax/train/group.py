@@ -280,7 +280,9 @@ def run_seeds(
     results, clock = [], time.perf_counter()
     for group in groups:
         if max_seconds is not None:
-            options["max_seconds"] = max(0.0, max_seconds - (time.perf_counter() - clock))
+            # A spent guard still lets a group take one step (and checkpoint it): the result of
+            # every seed is reported, stopped early.
+            options["max_seconds"] = max(1e-9, max_seconds - (time.perf_counter() - clock))
         if len(group) == 1:
             results.append(trainer.run(group[0], seed_dir(run_dir, group[0].seed), **options))
         else:
