@@ -1,30 +1,38 @@
-"""Issue 14's block-score study at 4 K tokens, phase by phase, from one curriculum prefix per
-seed: `max` vs `mean` vs `top2` block scores, and dense attention, at context/pool ratios 16, 64
-and 4.
+"""Issue 14's three studies at 4 K tokens, phase by phase, each from a curriculum prefix per
+seed: the block score (`max` vs `mean` vs `top2`, and dense attention) at context/pool ratios 16,
+64 and 4; the pool size from 1/64 to 1/2 of the context; the main KV format, QAT vs PTQ.
 
 The plan (every number below is a default of this file):
-  1. prefix (`long_context_task.py`, per seed): `small()` learns the 16-needle passkey densely at
-     128 then 512 tokens, then trains 100 steps densely at 4 K. That is the dense warm-up of
+  1. a prefix per seed (`long_context_task.py`): `small()` learns the 16-needle passkey densely
+     at 128 then 512 tokens, then trains 100 steps densely at 4 K. That is the dense warm-up of
      V4.1's recipe, shared: every variant starts from it (the warm-up is the same program for
-     every block score, so running it once per seed changes nothing but the optimizer's
-     restart).
-  2. one phase per (ratio, variant), each a `block_score_ablation.py` run of the variant's seeds
-     at 4 K tokens: sparse from step 0 (pool and Reindex top-k as at inference), the pool
-     `candidate_topk_blocks` = 4096 / ratio positions in blocks of 8 (ratio 16: 32 blocks,
-     V4.1-like 1/16 of the context; 64: 8 blocks; 4: 128 blocks). Each run stops on the
-     convergence rule (the last 2 evaluations, every 25 steps, at >= 90 %) or at its cap of 300
-     steps; 'dense' trains with every layer attending to all compressed entries for as long.
-     Ratios are set by the pool at a fixed context, so the task, its difficulty and the prefix
-     are the same for every ratio.
+     every block score and pool size, so running it once per seed changes nothing but the
+     optimizer's restart). The block-score and pool-size phases start from a prefix with the
+     preset's main-KV format (NVFP4, as V4.1 trains); the KV-format phases from one trained
+     unquantized (f32), so that post-training quantization reads weights that never saw a
+     format.
+  2. one phase per variant, each a `block_score_ablation.py` run of the variant's seeds at 4 K
+     tokens: sparse from step 0 (pool and Reindex top-k as at inference), the pool
+     `candidate_topk_blocks` = 4096 / ratio positions in blocks of 8 (ratio 16: 32 blocks; 64: 8;
+     4: 128). Each run stops on the convergence rule (the last 2 evaluations, every 25 steps, at
+     >= 90 %) or at its cap of 300 steps; 'dense' trains with every layer attending to all
+     compressed entries on the same rule. Ratios are set by the pool at a fixed context, so
+     the task, its difficulty and the prefix are the same at every ratio. The pool-size study
+     is the `max` phases at ratios 64, 32, 16, 8, 4 and 2; the KV-format study trains `max` at
+     ratio 16 with the main KV in each format (QAT) and evaluates the f32 runs' final weights
+     in each format (PTQ, `kv_format_study.evaluate_like_run`).
 
 Where a phase stops depends on seeds and data only; `--max-minutes` guards one call on a lent
 machine, and running the same command again continues: finished phases are skipped (their
 reports are kept in the work directory), a phase the guard cut resumes from its checkpoints.
-After every phase the combined reports are written to --out-dir: `long_context_prefix.json`
-and `block_score_4k_ratio<r>.json` (+ .png) per ratio, in `block_score_ablation`'s schema
-(`study_tables.py` prints them), with "partial" true until every phase of the ratio is done.
+After every phase the combined reports are written to --out-dir, each with "partial" in its
+config until all its phases are done: `long_context_prefix*.json`, per ratio
+`block_score_4k_ratio<r>.json` (`block_score_ablation`'s schema), `pool_size_4k.json`
+(`pool_size_sweep`'s) and `kv_format_4k.json` (`kv_format_study`'s), each with its figure;
+`study_tables.py` prints them.
 
     PYTHONPATH=. python3 experiments/long_context_studies.py --max-minutes 9   # again to go on
+    PYTHONPATH=. python3 experiments/long_context_studies.py --study kv_format --max-minutes 9
     PYTHONPATH=. python3 experiments/long_context_studies.py --status          # what is done
     PYTHONPATH=. python3 experiments/long_context_studies.py --smoke --out-dir /tmp/lcs  # CPU
 """
@@ -32,32 +40,69 @@ and `block_score_4k_ratio<r>.json` (+ .png) per ratio, in `block_score_ablation`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from experiments import _common, block_score_ablation, long_context_task, pool_size_sweep
+from experiments import (
+    _common,
+    block_score_ablation,
+    kv_format_study,
+    long_context_task,
+    pool_size_sweep,
+)
 from v41jax import train
 
 NAME = "long_context_studies"
 SEEDS = (0, 1, 2, 3, 4)
 TASK = "multi_passkey"
-# (ratio, variant) in the order they run: the question first (max vs mean at two ratios), then
-# the dense baseline, the third reducer and the third ratio.
-PHASES = (
-    (16, "max"),
-    (16, "mean"),
-    (64, "max"),
-    (64, "mean"),
-    (16, "dense"),
-    (16, "top2"),
-    (64, "top2"),
-    (4, "max"),
-    (4, "mean"),
-    (4, "top2"),
-)
+MIDDLE = 16  # the ratio of the KV-format study and of the dense baseline
+KV_FORMATS = ("f32", "bf16", "fp8", "mxfp4", "nvfp4")  # f32 first: PTQ reads its runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One variant's seeds at one context/pool ratio with the main KV in `kv_format`, from the
+    prefix trained in `prefix_kv` (None: the preset's format)."""
+
+    ratio: int
+    variant: str  # a `block_score_ablation` variant, or 'ptq' (evaluations of the f32 runs)
+    kv_format: str | None = None
+    prefix_kv: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"ratio{self.ratio}-{self.variant}" + (
+            f"-kv{self.kv_format}" if self.kv_format else ""
+        )
+
+
+def _block_score(ratios: Sequence[int]) -> tuple[Phase, ...]:
+    # The question first (max vs mean at two ratios), then the dense baseline, the third
+    # reducer and the third ratio.
+    first, second, *rest = ratios
+    order = [(first, "max"), (first, "mean"), (second, "max"), (second, "mean")]
+    order += [(first, "dense"), (first, "top2"), (second, "top2")]
+    order += [(r, v) for r in rest for v in ("max", "mean", "top2")]
+    return tuple(Phase(r, v) for r, v in order)
+
+
+def _kv(formats: Sequence[str], ratio: int) -> tuple[Phase, ...]:
+    """f32 (the reference), its PTQ evaluations, then QAT in every other format: all from the
+    f32 prefix."""
+    reference = formats[0]
+    phases = [Phase(ratio, "max", f, reference) for f in formats]
+    return (phases[0], Phase(ratio, "ptq", reference, reference), *phases[1:])
+
+
+STUDIES = {
+    "block_score": _block_score((MIDDLE, 64, 4)),
+    "pool_size": (*(Phase(r, "max") for r in (64, 32, 16, 8, 4, 2)), Phase(MIDDLE, "dense")),
+    "kv_format": _kv(KV_FORMATS, MIDDLE),
+}
 PREFIX = dict(ladder=(128, 512), short_lrs=(1e-3,), long_steps=100)
 STUDY = dict(
     preset="small",
@@ -70,7 +115,7 @@ STUDY = dict(
     eval_batches=4,
     converge_accuracy=0.9,
 )
-# --smoke: the same plan end to end on tiny() in a minute or two of CPU.
+# --smoke: the same machinery end to end on tiny() in a minute or two of CPU.
 SMOKE_PREFIX = dict(ladder=(48,), short_lrs=(5e-3,), long_steps=2)
 SMOKE_STUDY = dict(
     preset="tiny",
@@ -83,12 +128,12 @@ SMOKE_STUDY = dict(
     eval_batches=1,
     converge_accuracy=0.9,
 )
-SMOKE_PHASES = ((16, "mean"), (4, "max"))
+SMOKE_STUDIES = {
+    "block_score": (Phase(16, "mean"), Phase(4, "max")),
+    "pool_size": (Phase(4, "max"), Phase(16, "dense")),
+    "kv_format": _kv(("f32", "mxfp4"), 16),
+}
 MIN_PHASE_SECONDS = 90  # a phase started with less would spend it compiling
-
-
-def phase_name(ratio: int, variant: str) -> str:
-    return f"ratio{ratio}-{variant}"
 
 
 def _flags(name: str, value) -> list[str]:
@@ -113,129 +158,268 @@ def pool_blocks(study: dict, ratio: int) -> int:
 
 
 class Plan:
-    """The phases of this call: their directories, commands and what is done."""
+    """The phases of the studies asked for: their directories, commands and what is done."""
 
     def __init__(self, args: argparse.Namespace):
         self.smoke, self.seeds = args.smoke, list(args.seeds)
         self.prefix = SMOKE_PREFIX if args.smoke else PREFIX
         self.study = SMOKE_STUDY if args.smoke else STUDY
-        self.phases = SMOKE_PHASES if args.smoke else PHASES
+        studies = SMOKE_STUDIES if args.smoke else STUDIES
+        self.studies = {name: studies[name] for name in args.study}
+        self.phases = tuple(dict.fromkeys(p for ps in self.studies.values() for p in ps))
         self.task = (long_context_task.SMOKE_TASKS if args.smoke else long_context_task.TASKS)[TASK]
         self.work = args.work_dir
-        self.prefix_runs = self.work / "prefix"
-        self.prefix_report = self.work / "reports" / "prefix.json"
 
-    def prefix_argv(self, minutes: float) -> list[str]:
+    # The prefixes, one per main-KV format the phases start from.
+    def prefixes(self) -> list[str | None]:
+        return list(dict.fromkeys(p.prefix_kv for p in self.phases))
+
+    def prefix_name(self, kv_format: str | None) -> str:
+        return "prefix" + (f"-kv{kv_format}" if kv_format else "")
+
+    def prefix_runs(self, kv_format: str | None) -> Path:
+        return self.work / self.prefix_name(kv_format)
+
+    def prefix_report(self, kv_format: str | None) -> Path:
+        return self.work / "reports" / f"{self.prefix_name(kv_format)}.json"
+
+    def prefix_argv(self, kv_format: str | None, minutes: float) -> list[str]:
         p = self.prefix
         argv = ["--task", TASK, "--preset", self.study["preset"], "--long-attention", "dense"]
         argv += [*_flags("seeds", self.seeds), "--group-size", "1"]
         argv += _flags("ladder", p["ladder"]) + _flags("short-lrs", p["short_lrs"])
         argv += ["--long-steps", str(p["long_steps"]), "--max-minutes", f"{minutes:.2f}"]
-        argv += ["--out", str(self.prefix_report), "--runs-dir", str(self.prefix_runs)]
+        argv += ["--out", str(self.prefix_report(kv_format))]
+        argv += ["--runs-dir", str(self.prefix_runs(kv_format))]
+        argv += ["--kv-format", kv_format] if kv_format else []
         return argv + (["--smoke"] if self.smoke else [])
 
-    def prefix_done(self) -> bool:
-        if not self.prefix_report.exists():
-            return False
-        return not json.loads(self.prefix_report.read_text())["partial"]
+    def prefix_done(self, kv_format: str | None) -> bool:
+        path = self.prefix_report(kv_format)
+        return path.exists() and not json.loads(path.read_text())["partial"]
 
-    def report_path(self, ratio: int, variant: str) -> Path:
-        return (
-            self.work / "reports" / phase_name(ratio, variant) / f"{block_score_ablation.NAME}.json"
-        )
+    def init_from(self, kv_format: str | None) -> Path:
+        return self.prefix_runs(kv_format) / "long" / train.SEED_DIR
 
-    def phase_argv(self, ratio: int, variant: str, minutes: float) -> list[str]:
+    def report_path(self, phase: Phase) -> Path:
+        name = "kv_format_ptq" if phase.variant == "ptq" else block_score_ablation.NAME
+        return self.work / "reports" / phase.name / f"{name}.json"
+
+    def runs_dir(self, phase: Phase) -> Path:
+        kv = f"kv{phase.kv_format}-" if phase.kv_format else ""
+        return self.work / "runs" / f"{kv}ratio{phase.ratio}"
+
+    def phase_argv(self, phase: Phase, minutes: float) -> list[str]:
         s = self.study
-        init = self.prefix_runs / "long" / train.SEED_DIR
-        argv = [
-            "--preset",
-            s["preset"],
-            "--task",
-            TASK,
-            *task_flags(dict(self.task, seq_len=s["seq_len"])),
-        ]
-        argv += ["--model-set", f"candidate_topk_blocks={pool_blocks(s, ratio)}"]
+        argv = ["--preset", s["preset"], "--task", TASK]
+        argv += task_flags(dict(self.task, seq_len=s["seq_len"]))
+        argv += ["--model-set", f"candidate_topk_blocks={pool_blocks(s, phase.ratio)}"]
         argv += ["--model-set", f"query_chunk={s['query_chunk']}"]
+        if phase.kv_format:
+            argv += ["--model-set", f"kv_format={json.dumps(phase.kv_format)}"]
         argv += ["--batch-size", str(s["batch_size"]), "--dense-warmup-steps", "0"]
-        argv += ["--lr", str(s["lr"]), "--steps", str(s["steps"]), "--init-from", str(init)]
+        argv += ["--lr", str(s["lr"]), "--steps", str(s["steps"])]
+        argv += ["--init-from", str(self.init_from(phase.prefix_kv))]
         argv += ["--eval-every", str(s["eval_every"]), "--eval-batches", str(s["eval_batches"])]
         argv += ["--converge-accuracy", str(s["converge_accuracy"]), "--group-size", "1"]
-        argv += [*_flags("seeds", self.seeds), "--variants", variant]
-        argv += ["--out-dir", str(self.report_path(ratio, variant).parent)]
-        argv += ["--runs-dir", str(self.work / "runs" / f"ratio{ratio}")]
+        argv += [*_flags("seeds", self.seeds), "--variants", phase.variant]
+        argv += ["--out-dir", str(self.report_path(phase).parent)]
+        argv += ["--runs-dir", str(self.runs_dir(phase))]
         return [*argv, "--max-minutes", f"{minutes:.2f}"]
 
-    def phase_report(self, ratio: int, variant: str) -> dict | None:
-        path = self.report_path(ratio, variant)
+    def phase_report(self, phase: Phase) -> dict | None:
+        path = self.report_path(phase)
         return json.loads(path.read_text()) if path.exists() else None
 
-    def phase_done(self, ratio: int, variant: str) -> bool:
-        report = self.phase_report(ratio, variant)
+    def phase_done(self, phase: Phase) -> bool:
+        report = self.phase_report(phase)
         if report is None:
             return False
         records = report["results"]
-        return sorted(r["seed"] for r in records) == sorted(self.seeds) and not any(
+        return sorted({r["seed"] for r in records}) == sorted(self.seeds) and not any(
             r.get("stopped_early") for r in records
         )
 
+    def trained_phase(self, ptq: Phase) -> Phase:
+        """The phase whose final weights a PTQ phase evaluates."""
+        return Phase(ptq.ratio, "max", ptq.kv_format, ptq.prefix_kv)
 
-def combined(plan: Plan, ratio: int) -> dict | None:
-    """The ratio's phase reports as one `block_score_ablation` report (None before any)."""
-    parts = [(variant, plan.phase_report(r, variant)) for r, variant in plan.phases if r == ratio]
-    found = [(v, rep) for v, rep in parts if rep is not None]
+
+def run_ptq(plan: Plan, phase: Phase) -> None:
+    """Each seed's final weights of the f32 phase evaluated with the main KV in every other
+    format of `KV_FORMATS`, as its run evaluated itself (`kv_format_study.evaluate_like_run`)."""
+    trained = plan.phase_report(plan.trained_phase(phase))
+    formats = [
+        p.kv_format
+        for p in plan.phases
+        if p.variant == "max" and p.kv_format and p.kv_format != phase.kv_format
+    ]
+    records = []
+    for source in trained["results"]:
+        cfg = train.TrainConfig.from_json(
+            json.loads((Path(source["run_dir"]) / "config.json").read_text())
+        )
+        model = _common.load_model(cfg, Path(source["run_dir"]))
+        for fmt in formats:
+            result = kv_format_study.evaluate_like_run(
+                _common.with_kv_format(model, fmt), cfg, source["step"]
+            )
+            print(f"ptq/{fmt}, seed {cfg.seed}: accuracy {result['accuracy']:.1%}", flush=True)
+            records.append(
+                {
+                    "variant": f"ptq/{fmt}",
+                    "seed": cfg.seed,
+                    "run_dir": source["run_dir"],
+                    "step": source["step"],
+                    "stopped_early": source["stopped_early"],
+                    **result,
+                }
+            )
+    config = dict(trained["config"], experiment="kv_format_ptq", formats=formats)
+    path = plan.report_path(phase)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _common.write_report(path, config, records)
+
+
+def _combined(plan: Plan, phases: Sequence[Phase], experiment: str, **fields) -> dict | None:
+    """The records of `phases`' reports as one report of `experiment` (None before any),
+    "partial" in its config until every phase is done."""
+    found = [(p, rep) for p in phases if (rep := plan.phase_report(p)) is not None]
     if not found:
         return None
     config = dict(found[0][1]["config"])
-    config["variants"] = {v: block_score_ablation.VARIANTS[v] for v, _ in parts}
+    config["experiment"] = experiment
     config["argv"] = [rep["config"]["argv"] for _, rep in found]
     config["commit"] = sorted({rep["config"]["commit"] for _, rep in found})
-    config["ratio"] = ratio
-    config["pool_blocks"] = pool_blocks(plan.study, ratio)
-    config["prefix"] = str(plan.prefix_runs / "long" / train.SEED_DIR)
+    config["phases"] = [p.name for p in phases]
     config["plan"] = f"experiments/{NAME}.py"
-    config["partial"] = not all(plan.phase_done(ratio, v) for v, _ in parts)
-    records = [r for _, rep in found for r in rep["results"]]
+    config["partial"] = not all(plan.phase_done(p) for p in phases)
+    config |= fields
+    records = [dict(r, phase=p.name) for p, rep in found for r in rep["results"]]
     return {"config": config, "results": records, "summary": _common.summarize(records)}
 
 
+def block_score_report(plan: Plan, ratio: int) -> dict | None:
+    phases = [p for p in plan.studies.get("block_score", ()) if p.ratio == ratio]
+    phases += [p for p in plan.phases if p.variant == "dense" and p not in phases]
+    return _combined(
+        plan,
+        phases,
+        block_score_ablation.NAME,
+        variants={p.variant: block_score_ablation.VARIANTS[p.variant] for p in phases},
+        ratio=ratio,
+        pool_blocks=pool_blocks(plan.study, ratio),
+        prefix=str(plan.init_from(None)),
+    )
+
+
+def pool_size_report(plan: Plan) -> dict | None:
+    phases = plan.studies["pool_size"]
+    model = train.make_config(preset=plan.study["preset"]).model_config()
+    positions = pool_size_sweep.source_positions(model, plan.study["seq_len"])
+    report = _combined(
+        plan,
+        phases,
+        pool_size_sweep.NAME,
+        reference=pool_size_sweep.REFERENCE,
+        fractions=sorted({p.ratio for p in phases if p.variant != "dense"}),
+        source_positions=positions,
+        prefix=str(plan.init_from(None)),
+    )
+    if report is None:
+        return None
+    for record in report["results"]:
+        if record["variant"] == "dense":
+            continue
+        blocks = pool_blocks(plan.study, int(record["phase"].split("-")[0][len("ratio") :]))
+        record["variant"] = pool_size_sweep.variant_name(blocks)
+        record["pool_blocks"] = blocks
+        record["pool_fraction"] = blocks * model.candidate_block_size / positions
+    report["summary"] = _common.summarize(report["results"])
+    return report
+
+
+def kv_format_report(plan: Plan) -> dict | None:
+    phases = plan.studies["kv_format"]
+    report = _combined(
+        plan,
+        phases,
+        kv_format_study.NAME,
+        reference=kv_format_study.REFERENCE,
+        formats=[p.kv_format for p in phases if p.variant == "max" and p.kv_format != "f32"],
+        prefix=str(plan.init_from(phases[0].prefix_kv)),
+    )
+    if report is None:
+        return None
+    for record in report["results"]:
+        fmt = record["phase"].split("-kv")[-1]
+        if record["variant"] == "max":
+            record["variant"] = "f32" if fmt == "f32" else f"qat/{fmt}"
+    report["summary"] = _common.summarize(report["results"])
+    return report
+
+
 def write_outputs(plan: Plan, out_dir: Path) -> list[Path]:
-    """The combined reports (and figures) in `out_dir`; returns the paths written."""
+    """The prefixes' reports and the combined study reports (with figures) in `out_dir`;
+    returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    if plan.prefix_report.exists():
-        path = out_dir / "long_context_prefix.json"
-        path.write_text(plan.prefix_report.read_text())
-        written.append(path)
-    for ratio in dict.fromkeys(r for r, _ in plan.phases):
-        report = combined(plan, ratio)
+    for kv_format in plan.prefixes():
+        if plan.prefix_report(kv_format).exists():
+            name = "long_context_" + plan.prefix_name(kv_format).replace("-", "_") + ".json"
+            path = out_dir / name
+            path.write_text(plan.prefix_report(kv_format).read_text())
+            written.append(path)
+    outputs = []
+    if "block_score" in plan.studies:
+        ratios = dict.fromkeys(p.ratio for p in plan.studies["block_score"])
+        outputs += [
+            (f"block_score_4k_ratio{r}", block_score_report(plan, r), block_score_ablation)
+            for r in ratios
+        ]
+    if "pool_size" in plan.studies:
+        outputs.append(("pool_size_4k", pool_size_report(plan), pool_size_sweep))
+    if "kv_format" in plan.studies:
+        outputs.append(("kv_format_4k", kv_format_report(plan), kv_format_study))
+    for name, report, module in outputs:
         if report is None:
             continue
-        path = out_dir / f"block_score_4k_ratio{ratio}.json"
+        path = out_dir / f"{name}.json"
         path.write_text(json.dumps(report, indent=1))
-        block_score_ablation.plot(report, path.with_suffix(".png"))
+        module.plot(report, path.with_suffix(".png"))
         written += [path, path.with_suffix(".png")]
     return written
 
 
 def status(plan: Plan) -> str:
-    lines = [f"prefix: {'done' if plan.prefix_done() else 'to do'} ({plan.prefix_runs})"]
-    for ratio, variant in plan.phases:
-        report = plan.phase_report(ratio, variant)
-        state = "done" if plan.phase_done(ratio, variant) else "to do"
+    lines = [
+        f"{plan.prefix_name(kv)}: {'done' if plan.prefix_done(kv) else 'to do'}"
+        for kv in plan.prefixes()
+    ]
+    for phase in plan.phases:
+        report = plan.phase_report(phase)
+        state = "done" if plan.phase_done(phase) else "to do"
         if report is not None and state != "done":
             state = f"partial ({len(report['results'])} records, some stopped early)"
-        lines.append(f"{phase_name(ratio, variant)}: {state}")
+        lines.append(f"{phase.name}: {state}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--study",
+        nargs="+",
+        choices=list(STUDIES),
+        default=list(STUDIES),
+        help="the studies whose phases run, in this order (all)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument(
         "--work-dir",
         type=Path,
         default=Path("runs") / NAME,
-        help="the prefix's and the phases' runs and reports (runs/long_context_studies)",
+        help="the prefixes' and the phases' runs and reports (runs/long_context_studies)",
     )
     parser.add_argument(
         "--out-dir",
@@ -255,25 +439,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     began = time.perf_counter()
 
-    def minutes_left() -> float:
+    def seconds_left() -> float:
         if args.max_minutes is None:
-            return 1e9
-        return args.max_minutes - (time.perf_counter() - began) / 60
+            return float("inf")
+        return 60 * args.max_minutes - (time.perf_counter() - began)
 
-    if not plan.prefix_done():
-        long_context_task.main(plan.prefix_argv(minutes_left()))
-        write_outputs(plan, out_dir)
-        if not plan.prefix_done():
-            print("the prefix is not finished: run the same command again", flush=True)
-            return 0
-    for ratio, variant in plan.phases:
-        if plan.phase_done(ratio, variant):
+    for phase in plan.phases:
+        if plan.phase_done(phase):
             continue
-        if 60 * minutes_left() < MIN_PHASE_SECONDS:
-            print(f"{phase_name(ratio, variant)}: not started, the guard is nearly spent")
+        if not plan.prefix_done(phase.prefix_kv):
+            name = plan.prefix_name(phase.prefix_kv)
+            if seconds_left() < MIN_PHASE_SECONDS:
+                print(f"{name}: not started, the guard is nearly spent", flush=True)
+                break
+            print(f"== {name}", flush=True)
+            long_context_task.main(plan.prefix_argv(phase.prefix_kv, seconds_left() / 60))
+            write_outputs(plan, out_dir)
+            if not plan.prefix_done(phase.prefix_kv):
+                print(f"{name} is not finished: run the same command again", flush=True)
+                break
+        if seconds_left() < MIN_PHASE_SECONDS:
+            print(f"{phase.name}: not started, the guard is nearly spent", flush=True)
             break
-        print(f"== {phase_name(ratio, variant)}", flush=True)
-        block_score_ablation.main(plan.phase_argv(ratio, variant, minutes_left()))
+        print(f"== {phase.name}", flush=True)
+        if phase.variant == "ptq":
+            run_ptq(plan, phase)
+        else:
+            block_score_ablation.main(plan.phase_argv(phase, seconds_left() / 60))
         write_outputs(plan, out_dir)
     written = write_outputs(plan, out_dir)
     print(status(plan))

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from experiments import _common
 from v41jax import train
+from v41jax.ops import formats
 from v41jax.train import evaluate
 
 EXPERIMENT = "long_context_task"
@@ -93,6 +94,7 @@ def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
         task=args.task,
         seed=args.seeds[0],
         task_changes=dict(task, seq_len=ladder[0]),
+        model_changes={"kv_format": args.kv_format},
         batch_size=short["batch_size"],
         steps=args.short_steps or short["steps"],
         lr_warmup_steps=short["lr_warmup_steps"],
@@ -242,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         default="sparse",
         help="the long stage: a dense warm-up then the pool (sparse), or dense attention only "
         "(dense: a shared prefix for the studies, whose variants start from it; sparse)",
+    )
+    parser.add_argument(
+        "--kv-format",
+        choices=formats.formats_for("kv"),
+        help="the main KV's format in every stage (the preset's)",
     )
     parser.add_argument(
         "--converge-accuracy",

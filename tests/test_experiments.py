@@ -343,45 +343,104 @@ def test_wilson_interval():
         assert wider[0] <= lo and hi <= wider[1]
 
 
-def test_long_context_studies_smoke_runs_the_phases_from_the_prefix_and_resumes(tmp_path, capsys):
+def _studies_plan(tmp_path, smoke=False, studies=None):
+    return long_context_studies.Plan(
+        argparse.Namespace(
+            smoke=smoke,
+            seeds=[0, 1],
+            work_dir=tmp_path,
+            study=studies or list(long_context_studies.STUDIES),
+        )
+    )
+
+
+def test_long_context_studies_phases_start_sparse_from_their_prefix_with_the_ratio_pool(tmp_path):
+    plan = _studies_plan(tmp_path)
+    for phase in plan.phases:
+        if phase.variant == "ptq":
+            continue
+        parser = argparse.ArgumentParser()
+        _common.add_arguments(parser)
+        parser.add_argument("--variants", nargs="+")
+        args = parser.parse_args(plan.phase_argv(phase, 5.0))
+        cfg = _common.train_config(args)
+        model, task = cfg.model_config(), cfg.make_task()
+        assert (
+            task.seq_len == 4096
+            and cfg.dense_warmup_steps == 0
+            and args.variants == [phase.variant]
+        )
+        # 1/ratio of the candidate source's positions, in whole blocks of 8.
+        assert model.candidate_topk_blocks * 8 * phase.ratio == 4096
+        assert model.kv_format == (phase.kv_format or "nvfp4")
+        assert cfg.init_from == str(plan.init_from(phase.prefix_kv))
+        assert cfg.converge_accuracy == 0.9 and args.max_minutes == 5.0
+    # Every KV-format phase starts from the f32 prefix; the others from the preset's.
+    kv = {p.prefix_kv for p in plan.studies["kv_format"]}
+    assert kv == {"f32"} and {p.prefix_kv for p in plan.studies["block_score"]} == {None}
+    argv = plan.prefix_argv("f32", 3.0)
+    assert argv[argv.index("--kv-format") + 1] == "f32" and "--kv-format" not in plan.prefix_argv(
+        None, 3.0
+    )
+
+
+def _fake_phase_report(plan, phase, accuracies):
+    path = plan.report_path(phase)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = [
+        {"variant": phase.variant, "seed": s, "step": 50, "accuracy": a, "task_loss": 1 - a}
+        for s, a in zip(plan.seeds, accuracies, strict=False)
+    ]
+    config = {"experiment": "block_score_ablation", "argv": [phase.name], "commit": "c"}
+    path.write_text(json.dumps({"config": config, "results": records}))
+
+
+def test_long_context_studies_combine_the_phases_into_each_studys_report(tmp_path):
+    plan = _studies_plan(tmp_path, studies=["block_score", "pool_size"])
+    P = long_context_studies.Phase
+    _fake_phase_report(plan, P(16, "max"), [0.9, 0.8])
+    _fake_phase_report(plan, P(16, "mean"), [0.7, 0.6])
+    _fake_phase_report(plan, P(16, "dense"), [1.0, 1.0])
+    _fake_phase_report(plan, P(64, "max"), [0.5])  # one seed of two: not done
+    report = long_context_studies.block_score_report(plan, 16)
+    assert report["config"]["partial"]  # top2 is missing
+    assert set(report["summary"]) == {"max", "mean", "dense"}
+    assert report["summary"]["mean"]["accuracy"]["mean"] == pytest.approx(0.65)
+    assert report["config"]["pool_blocks"] == 32 and report["config"]["ratio"] == 16
+    pool = long_context_studies.pool_size_report(plan)
+    by_variant = {r["variant"]: r for r in pool["results"] if r["seed"] == 0}
+    assert set(by_variant) == {"pool8", "pool32", "dense"} and pool["config"]["partial"]
+    assert by_variant["pool8"]["pool_fraction"] == pytest.approx(1 / 64)
+    assert by_variant["pool32"]["pool_blocks"] == 32 and "pool_blocks" not in by_variant["dense"]
+    assert not plan.phase_done(P(64, "max")) and plan.phase_done(P(16, "max"))
+    assert "ratio64-max: partial" in long_context_studies.status(plan)
+
+
+def test_long_context_studies_kv_smoke_trains_from_the_f32_prefix_and_resumes(tmp_path, capsys):
     out, work = tmp_path / "out", tmp_path / "work"
-    argv = ["--smoke", "--seeds", "0", "--out-dir", str(out), "--work-dir", str(work)]
+    argv = ["--smoke", "--study", "kv_format", "--seeds", "0"]
+    argv += ["--out-dir", str(out), "--work-dir", str(work)]
     assert long_context_studies.main(argv) == 0
-    prefix = json.loads((out / "long_context_prefix.json").read_text())
+    prefix = json.loads((out / "long_context_prefix_kvf32.json").read_text())
     assert not prefix["partial"] and prefix["stages"][-1]["stage"] == "long"
-    assert train.TrainConfig.from_json(prefix["stages"][-1]["train_config"]).attention == "dense"
-    ratios = {}
-    for ratio, variant in long_context_studies.SMOKE_PHASES:
-        ratios.setdefault(ratio, []).append(variant)
-    for ratio, variants in ratios.items():
-        report = json.loads((out / f"block_score_4k_ratio{ratio}.json").read_text())
-        assert (out / f"block_score_4k_ratio{ratio}.png").exists()
-        assert not report["config"]["partial"] and set(report["summary"]) == set(variants)
-        for record in report["results"]:
-            cfg = train.TrainConfig.from_json(
-                json.loads((Path(record["run_dir"]) / "config.json").read_text())
-            )
-            # Every phase starts sparse from the seed's dense 4 K prefix, with the ratio's pool.
-            assert cfg.init_from.format(seed=0) == prefix["stages"][-1]["run_dir"]
-            model = cfg.model_config()
-            positions = pool_size_sweep.source_positions(model, cfg.make_task().seq_len)
-            blocks = max(1, positions // (ratio * model.candidate_block_size))
-            assert model.candidate_topk_blocks == report["config"]["pool_blocks"] == blocks
-            assert record["variant"] == "dense" or cfg.dense_warmup_steps == 0
+    long_cfg = train.TrainConfig.from_json(prefix["stages"][-1]["train_config"])
+    assert long_cfg.attention == "dense" and long_cfg.model_config().kv_format == "f32"
+    report = json.loads((out / "kv_format_4k.json").read_text())
+    assert (out / "kv_format_4k.png").exists() and not report["config"]["partial"]
+    assert set(report["summary"]) == {"f32", "qat/mxfp4", "ptq/mxfp4"}
+    by_variant = {r["variant"]: r for r in report["results"]}
+    for variant in ("f32", "qat/mxfp4"):
+        cfg = train.TrainConfig.from_json(
+            json.loads((Path(by_variant[variant]["run_dir"]) / "config.json").read_text())
+        )
+        assert cfg.init_from.format(seed=0) == prefix["stages"][-1]["run_dir"]
+        assert cfg.model_config().kv_format == variant.removeprefix("qat/")
+    # PTQ reads the f32 run's final weights.
+    assert by_variant["ptq/mxfp4"]["run_dir"] == by_variant["f32"]["run_dir"]
+    assert by_variant["ptq/mxfp4"]["step"] == by_variant["f32"]["step"]
     # Run again: every phase is done, so nothing trains and the reports stay as they were.
     before = {p.name: p.read_text() for p in out.glob("*.json")}
     capsys.readouterr()
     assert long_context_studies.main(argv) == 0
-    assert "== ratio" not in capsys.readouterr().out
+    assert "== " not in capsys.readouterr().out
     assert {p.name: p.read_text() for p in out.glob("*.json")} == before
-    # A phase without its report is to do, and its ratio's combined report is partial.
-    ratio, variant = long_context_studies.SMOKE_PHASES[-1]
-    plan = long_context_studies.Plan(argparse.Namespace(smoke=True, seeds=[0], work_dir=work))
-    plan.report_path(ratio, variant).unlink()
-    assert (
-        long_context_studies.combined(plan, ratio) is None
-        or long_context_studies.combined(plan, ratio)["config"]["partial"]
-    )
-    assert f"{long_context_studies.phase_name(ratio, variant)}: to do" in (
-        long_context_studies.status(plan)
-    )
