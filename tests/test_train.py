@@ -321,3 +321,44 @@ def test_evidence_metrics_count_the_answer_position_in_the_pool_and_the_selectio
     assert n > 0 and len(counts) == 1 + 2 * len(layers)
     for key, count in counts.items():
         assert got[key] == pytest.approx(count / n), key
+
+
+def test_a_pool_snapshot_agrees_with_the_pool_and_the_evidence_metrics():
+    cfg = train.make_config(
+        train.TrainConfig(),
+        task="multi_passkey",
+        task_changes=dict(seq_len=256),
+        model_changes=dict(candidate_topk_blocks=2),
+    )
+    model, task, c = train.build(cfg)[0], cfg.make_task(), cfg.model_config()
+    snap = evaluate.pool_snapshot(model, task, seed=7, scores_for=2)
+    queries = snap["queries"]
+    assert [q["t"] for q in queries] == list(np.flatnonzero(task.batch_at(7, 0, 1).loss_mask[0]))
+    assert sum("block_scores" in q for q in queries) == 2
+    for q in queries:
+        assert len(q["pool_blocks"]) <= c.candidate_topk_blocks
+        in_pool = q["evidence_block"] in q["pool_blocks"]
+        # The pool keeps the best blocks: every block scoring above one in it is in it too.
+        assert not in_pool or q["evidence_block_rank"] < c.candidate_topk_blocks
+        if "block_scores" in q:
+            pinned = (q["visible"] - 1) // snap["block_size"]
+            score = [
+                np.inf if i == pinned else -np.inf if v is None else v
+                for i, v in enumerate(q["block_scores"])
+            ]
+            kept = [score[i] for i in q["pool_blocks"]]
+            others = [v for i, v in enumerate(score) if i not in q["pool_blocks"]]
+            assert pinned in q["pool_blocks"] and min(kept) >= max(others)
+        for layer in snap["reindex_layers"]:
+            assert set(q[f"{layer}/selected_blocks"]) <= set(q["pool_blocks"])
+            if q[f"{layer}/evidence_selected"]:
+                assert in_pool and q["evidence_block"] in q[f"{layer}/selected_blocks"]
+    # The same example through `evaluate`: the same fraction of evidence in the pool and selected.
+    got = evaluate.evaluate(model, task, seed=7, batches=1, batch_size=1, dense=False)
+    beyond = [q for q in queries if q["visible"] > c.candidate_pool_size]
+    assert beyond
+    want = np.mean([q["evidence_block"] in q["pool_blocks"] for q in beyond])
+    assert got["evidence_in_pool"] == pytest.approx(want)
+    for layer in snap["reindex_layers"]:
+        selected = np.mean([q[f"{layer}/evidence_selected"] for q in beyond])
+        assert got[f"{layer}/evidence_selected"] == pytest.approx(selected)

@@ -44,6 +44,7 @@ from v41jax.ops.invariants import check_selection
 from v41jax.ops.pool import (
     BLOCK_REDUCERS,
     CandidatePool,
+    block_scores,
     full_scan_topk,
     pool_mask_from_block_ids,
     pool_positions,
@@ -72,6 +73,7 @@ __all__ = [
     "MaskedAttentionResult",
     "SparseAttentionResult",
     "TopK",
+    "block_scores",
     "check_finite",
     "check_selection",
     "chunk_attention",

@@ -192,6 +192,24 @@ def _block_scores(
     return jnp.where(pinned, jnp.inf, block_scores)
 
 
+def block_scores(
+    scores: Float[Array, "*batch n_pos"],
+    compress_lens: Int[ArrayLike, "*batch"],
+    block_size: int,
+    reduce: str | BlockReducer = "max",
+) -> Float[Array, "*batch n_blocks"]:
+    """The block scores `select_candidate_blocks` ranks (its steps 1–3, same arguments): each
+    block's `reduce` over its valid positions, −inf where it has none, finite scores capped
+    below +inf, and +inf at the pinned block holding compress_lens − 1."""
+    scores = jnp.asarray(scores)
+    require_dtype("scores", scores, "floating")
+    require_min_ndim("scores", scores, 1, "[..., n_pos]")
+    block_size = require_positive_int("block_size", block_size)
+    batch, n_pos = scores.shape[:-1], scores.shape[-1]
+    lens = jnp.clip(as_lengths("compress_lens", compress_lens, batch), 0, n_pos)
+    return _block_scores(scores, lens, block_size, _resolve_reducer(reduce), first_position=0)
+
+
 def select_candidate_blocks(
     scores: Float[Array, "*batch n_pos"],
     compress_lens: Int[ArrayLike, "*batch"],

@@ -26,6 +26,7 @@ from flax import nnx
 from v41jax.nn.config import ModelConfig
 from v41jax.nn.model import Model, indexer_kls
 from v41jax.nn.selection import candidate_pool
+from v41jax.ops.pool import block_scores
 from v41jax.ops.scoring import topk_indices
 from v41jax.train import diagnostics
 
@@ -162,3 +163,64 @@ def evaluate(model: Model, task, *, seed: int, batches: int, batch_size: int, de
         nan_to_none = lambda v: None if v != v else v
         result[name] = [nan_to_none(v) for v in value] if np.ndim(count) else nan_to_none(value)
     return result
+
+
+def _finite_or_none(values) -> list[float | None]:
+    """Floats to 6 significant digits, None where not finite (JSON has no infinities)."""
+    return [float(f"{v:.6g}") if np.isfinite(v) else None for v in np.asarray(values, np.float64)]
+
+
+def pool_snapshot(model: Model, task, *, seed: int, scores_for: int = 4) -> dict:
+    """One held-out example seen from the inside, small enough to keep beside a study's results
+    (a trained model's pools can be looked at without the model).
+
+    The example is the first of `task.batch_at(seed, 0, 1)`, run with the pool and the top-k
+    (`Model.run(..., diagnostics=True)`). Per scored query, in the candidate source's
+    compressed positions and blocks of `candidate_block_size`: the query `t` and its visible
+    positions, the evidence's position and block, the pool's blocks, the rank of the
+    evidence's block among the source's block scores (0: the best; the pinned newest block
+    counts), and for each Reindex layer the blocks its selection falls in and whether it
+    selected the evidence. The source's block scores (`ops.block_scores`, None where −inf or
+    the +inf pin) are kept for the first `scores_for` queries.
+    """
+    c = model.config
+    if c.candidate_source_layer is None:
+        raise ValueError("model: expected a config with a candidate source, got none")
+    batch = task.batch_at(seed, 0, 1)
+    _, trace = model.run(jnp.asarray(batch.tokens), dense=False, diagnostics=True)
+    source = trace[c.candidate_source_layer]
+    ratio, size = c.layers[c.candidate_source_layer].compress_ratio, c.candidate_block_size
+    seq = batch.tokens.shape[1]
+    lens = (np.arange(seq) + 1) // ratio
+    scores = block_scores(source.aux["scores"][0], jnp.asarray(lens), size, c.block_score)
+    scores, pool_ids = np.asarray(scores), np.asarray(source.shared.pool.block_ids[0])
+    reindex = [(p.layer, s) for p, s in zip(c.layers, trace, strict=True) if p.uses_candidates]
+    queries = []
+    for t in np.flatnonzero(batch.loss_mask[0]):
+        evidence = int(batch.evidence[0, t]) // ratio
+        block = evidence // size
+        query = {
+            "t": int(t),
+            "visible": int(lens[t]),
+            "evidence": evidence,
+            "evidence_block": block,
+            "pool_blocks": [int(i) for i in pool_ids[t] if i >= 0],
+            "evidence_block_rank": int(np.sum(scores[t] > scores[t, block])),
+        }
+        for layer, step in reindex:
+            picks = np.asarray(step.shared.topk[0, t])
+            picks = picks[picks >= 0]
+            query[f"layer{layer}/selected_blocks"] = sorted({int(p) // size for p in picks})
+            query[f"layer{layer}/evidence_selected"] = bool(np.any(picks == evidence))
+        if len(queries) < scores_for:
+            query["block_scores"] = _finite_or_none(scores[t])
+        queries.append(query)
+    return {
+        "seed": seed,
+        "block_size": size,
+        "block_score": c.block_score,
+        "pool_blocks": c.candidate_topk_blocks,
+        "source_layer": c.candidate_source_layer,
+        "reindex_layers": [f"layer{layer}" for layer, _ in reindex],
+        "queries": queries,
+    }
