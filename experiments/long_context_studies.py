@@ -29,7 +29,9 @@ After every phase the combined reports are written to --out-dir, each with "part
 config until all its phases are done: `long_context_prefix*.json`, per ratio
 `block_score_4k_ratio<r>.json` (`block_score_ablation`'s schema), `pool_size_4k.json`
 (`pool_size_sweep`'s) and `kv_format_4k.json` (`kv_format_study`'s), each with its figure;
-`study_tables.py` prints them.
+`study_tables.py` prints them. The record of seed 0 of each sparse phase holds its final
+pools on one held-out example (`pool_snapshot`, `evaluate.pool_snapshot`): what notebook 04
+draws.
 
     PYTHONPATH=. python3 experiments/long_context_studies.py --max-minutes 9   # again to go on
     PYTHONPATH=. python3 experiments/long_context_studies.py --study kv_format --max-minutes 9
@@ -55,6 +57,7 @@ from experiments import (
     pool_size_sweep,
 )
 from v41jax import train
+from v41jax.train import evaluate
 
 NAME = "long_context_studies"
 SEEDS = (0, 1, 2, 3, 4)
@@ -134,6 +137,7 @@ SMOKE_STUDIES = {
     "kv_format": _kv(("f32", "mxfp4"), 16),
 }
 MIN_PHASE_SECONDS = 90  # a phase started with less would spend it compiling
+SNAPSHOT_SEEDS = (0,)  # whose final pools each sparse phase keeps (`evaluate.pool_snapshot`)
 
 
 def _flags(name: str, value) -> list[str]:
@@ -240,9 +244,31 @@ class Plan:
             r.get("stopped_early") for r in records
         )
 
+    def snapshot_path(self, phase: Phase) -> Path:
+        return self.report_path(phase).parent / "pool_snapshots.json"
+
     def trained_phase(self, ptq: Phase) -> Phase:
         """The phase whose final weights a PTQ phase evaluates."""
         return Phase(ptq.ratio, "max", ptq.kv_format, ptq.prefix_kv)
+
+
+def take_snapshots(plan: Plan, phase: Phase) -> None:
+    """`evaluate.pool_snapshot` of the final weights of the `SNAPSHOT_SEEDS` of a finished
+    sparse phase, on the first held-out example of its evaluation batches; kept beside the
+    phase's report. Nothing when the runs are not on this machine (a report from elsewhere)."""
+    if phase.variant in ("dense", "ptq") or plan.snapshot_path(phase).exists():
+        return
+    snapshots = {}
+    for record in plan.phase_report(phase)["results"]:
+        run_dir = Path(record["run_dir"])
+        if record["seed"] not in SNAPSHOT_SEEDS or not (run_dir / "config.json").exists():
+            continue
+        cfg = train.TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
+        model = _common.load_model(cfg, run_dir)
+        task, seed = cfg.make_task(), cfg.seed + train.EVAL_SEED_OFFSET
+        snapshots[str(cfg.seed)] = evaluate.pool_snapshot(model, task, seed=seed)
+    if snapshots:
+        plan.snapshot_path(phase).write_text(json.dumps(snapshots))
 
 
 def run_ptq(plan: Plan, phase: Phase) -> None:
@@ -295,7 +321,15 @@ def _combined(plan: Plan, phases: Sequence[Phase], experiment: str, **fields) ->
     config["plan"] = f"experiments/{NAME}.py"
     config["partial"] = not all(plan.phase_done(p) for p in phases)
     config |= fields
-    records = [dict(r, phase=p.name) for p, rep in found for r in rep["results"]]
+    records = []
+    for phase, report in found:
+        path = plan.snapshot_path(phase)
+        snapshots = json.loads(path.read_text()) if path.exists() else {}
+        for record in report["results"]:
+            record = dict(record, phase=phase.name)
+            if str(record["seed"]) in snapshots:
+                record["pool_snapshot"] = snapshots[str(record["seed"])]
+            records.append(record)
     return {"config": config, "results": records, "summary": _common.summarize(records)}
 
 
@@ -446,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for phase in plan.phases:
         if plan.phase_done(phase):
+            take_snapshots(plan, phase)  # phases done before snapshots were taken
             continue
         if not plan.prefix_done(phase.prefix_kv):
             name = plan.prefix_name(phase.prefix_kv)
@@ -466,6 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_ptq(plan, phase)
         else:
             block_score_ablation.main(plan.phase_argv(phase, seconds_left() / 60))
+            if plan.phase_done(phase):
+                take_snapshots(plan, phase)
         write_outputs(plan, out_dir)
     written = write_outputs(plan, out_dir)
     print(status(plan))

@@ -435,6 +435,11 @@ def test_long_context_studies_kv_smoke_trains_from_the_f32_prefix_and_resumes(tm
         )
         assert cfg.init_from.format(seed=0) == prefix["stages"][-1]["run_dir"]
         assert cfg.model_config().kv_format == variant.removeprefix("qat/")
+    # Each trained phase keeps seed 0's final pools on one held-out example.
+    for variant in ("f32", "qat/mxfp4"):
+        snapshot = by_variant[variant]["pool_snapshot"]
+        assert snapshot["seed"] == 0 + train.EVAL_SEED_OFFSET and snapshot["queries"]
+    assert "pool_snapshot" not in by_variant["ptq/mxfp4"]
     # PTQ reads the f32 run's final weights.
     assert by_variant["ptq/mxfp4"]["run_dir"] == by_variant["f32"]["run_dir"]
     assert by_variant["ptq/mxfp4"]["step"] == by_variant["f32"]["step"]
