@@ -223,15 +223,26 @@ def load_model(cfg: train.TrainConfig, run_dir: Path) -> Model:
     return model
 
 
-def with_kv_format(model: Model, kv_format: str) -> Model:
-    """The same parameters read through another main-KV format: post-training quantization.
+def with_model_fields(model: Model, **changes) -> Model:
+    """The same parameters under a config with other non-parameter fields (formats, the pool's
+    size, the block score): the graph of a model built with the changed config takes the
+    trained state as it is. ValueError if a change alters the parameters' shapes."""
+    config = model.config.replace(**changes)
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: Model(config, rngs=nnx.Rngs(0))))
+    state = nnx.state(model)
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), shapes)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+    if want != got:
+        raise ValueError(
+            f"changes: {sorted(changes)} change the model's parameters; expected "
+            "fields that leave them as they are"
+        )
+    return nnx.merge(graphdef, state)
 
-    The parameter structure does not depend on the formats, so the graph of a model built with
-    the other config takes the trained state as it is.
-    """
-    config = model.config.replace(kv_format=kv_format)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Model(config, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, nnx.state(model))
+
+def with_kv_format(model: Model, kv_format: str) -> Model:
+    """The same parameters read through another main-KV format: post-training quantization."""
+    return with_model_fields(model, kv_format=kv_format)
 
 
 def reindex_layers(model_config: config_lib.ModelConfig) -> list[str]:
@@ -330,6 +341,15 @@ def summarize(records: list[dict], by: str = "variant") -> dict:
     return summary
 
 
+def steps_note(train_config: dict) -> str:
+    """'400 steps', or '≤ 300 steps (until 2 evaluations ≥ 90 %)' under a convergence rule."""
+    steps = train_config["steps"]
+    if not train_config.get("converge_accuracy"):
+        return f"{steps} steps"
+    evals, accuracy = train_config.get("converge_evals", 2), train_config["converge_accuracy"]
+    return f"≤ {steps} steps (until {evals} evaluations ≥ {accuracy:.0%})"
+
+
 def figure_note(report: dict) -> str:
     """The end of a study figure's title: the seeds that reported (and those asked for, where
     some did not), the device, and a warning on smoke runs and on runs a time cap cut short."""
@@ -341,6 +361,8 @@ def figure_note(report: dict) -> str:
         note += " — some runs stopped early (see 'step')"
     if config["smoke"]:
         note += " — SMOKE RUN, not a result"
+    if config.get("partial"):
+        note += " — PARTIAL (phases missing)"
     return note
 
 

@@ -101,7 +101,9 @@ def plot(report: dict, path) -> None:
     layers = config["reindex_layers"]
     variants = [v for v in VARIANTS if _common.values(records, v, "accuracy")]
     sparse = [v for v in SPARSE if v in variants]
-    fig, (acc_ax, recall_ax, dist_ax) = _common.subplots(3, 16)
+    evidence = any(r.get("evidence_in_pool") is not None for r in records)
+    fig, axes = _common.subplots(4 if evidence else 3, 21 if evidence else 16)
+    acc_ax, recall_ax, dist_ax = axes[:3]
 
     for x, variant in enumerate(variants):
         first = x == 0
@@ -169,16 +171,37 @@ def plot(report: dict, path) -> None:
         xlabel="distance t − s (compressed positions)",
         ylim=(0, 1.02),
     )
-    for ax in (acc_ax, recall_ax, dist_ax):
+    if evidence:
+        evidence_plot(axes[3], records, sparse, layers)
+    for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.suptitle(
         f"block score: {config['train_config']['preset']} on {config['train_config']['task']}, "
-        f"{config['train_config']['steps']} steps, {_common.figure_note(report)}",
+        f"{_common.steps_note(config['train_config'])}, {_common.figure_note(report)}",
         fontsize=10,
     )
     _common.save_figure(fig, path)
+
+
+def evidence_plot(ax, records: list[dict], sparse: list[str], layers: list[str]) -> None:
+    """Per sparse variant: how often the answer's evidence is in the candidate pool, and in
+    each Reindex layer's selection (seeds as dots)."""
+    ticks = []
+    for i, variant in enumerate(sparse):
+        for j, (metric, label) in enumerate(
+            [("evidence_in_pool", "pool")] + [(f"{la}/evidence_selected", la) for la in layers]
+        ):
+            x = i * (len(layers) + 2) + j
+            ticks.append((x, f"{variant}\n{label}"))
+            _common.strip(ax, x, _common.values(records, variant, metric), color=COLORS[variant])
+    ax.set(
+        title="evidence in the pool / selected (queries beyond the pool)",
+        xticks=[t[0] for t in ticks],
+        xticklabels=[t[1] for t in ticks],
+        ylim=(0, 1.02),
+    )
 
 
 if __name__ == "__main__":

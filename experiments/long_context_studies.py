@@ -29,9 +29,10 @@ After every phase the combined reports are written to --out-dir, each with "part
 config until all its phases are done: `long_context_prefix*.json`, per ratio
 `block_score_4k_ratio<r>.json` (`block_score_ablation`'s schema), `pool_size_4k.json`
 (`pool_size_sweep`'s) and `kv_format_4k.json` (`kv_format_study`'s), each with its figure;
-`study_tables.py` prints them. The record of seed 0 of each sparse phase holds its final
-pools on one held-out example (`pool_snapshot`, `evaluate.pool_snapshot`): what notebook 04
-draws.
+`study_tables.py` prints them. Each record of a sparse phase also holds the accuracy of its
+final weights with a pool of one block (`pool1_accuracy`: does the answer go through the
+pool?), and seed 0's final pools on one held-out example (`pool_snapshot`,
+`evaluate.pool_snapshot`), which notebook 04 draws.
 
     PYTHONPATH=. python3 experiments/long_context_studies.py --max-minutes 9   # again to go on
     PYTHONPATH=. python3 experiments/long_context_studies.py --study kv_format --max-minutes 9
@@ -137,7 +138,7 @@ SMOKE_STUDIES = {
     "kv_format": _kv(("f32", "mxfp4"), 16),
 }
 MIN_PHASE_SECONDS = 90  # a phase started with less would spend it compiling
-SNAPSHOT_SEEDS = (0,)  # whose final pools each sparse phase keeps (`evaluate.pool_snapshot`)
+SNAPSHOT_SEEDS = (0,)  # whose final pools each sparse phase keeps (`after_phase`)
 
 
 def _flags(name: str, value) -> list[str]:
@@ -244,31 +245,52 @@ class Plan:
             r.get("stopped_early") for r in records
         )
 
-    def snapshot_path(self, phase: Phase) -> Path:
-        return self.report_path(phase).parent / "pool_snapshots.json"
+    def extras_path(self, phase: Phase) -> Path:
+        return self.report_path(phase).parent / "after_phase.json"
 
     def trained_phase(self, ptq: Phase) -> Phase:
         """The phase whose final weights a PTQ phase evaluates."""
         return Phase(ptq.ratio, "max", ptq.kv_format, ptq.prefix_kv)
 
 
-def take_snapshots(plan: Plan, phase: Phase) -> None:
-    """`evaluate.pool_snapshot` of the final weights of the `SNAPSHOT_SEEDS` of a finished
-    sparse phase, on the first held-out example of its evaluation batches; kept beside the
-    phase's report. Nothing when the runs are not on this machine (a report from elsewhere)."""
-    if phase.variant in ("dense", "ptq") or plan.snapshot_path(phase).exists():
+def after_phase(plan: Plan, phase: Phase) -> None:
+    """What a finished sparse phase adds to its records, from each seed's final weights, kept
+    beside the phase's report (`extras_path`):
+      - `pool1_accuracy`, `pool1_task_loss`: the same weights evaluated as the run evaluated
+        itself but with a pool of one block (the pinned newest one): how much the answers
+        depend on what the pool holds;
+      - `pool_snapshot` (the `SNAPSHOT_SEEDS`): `evaluate.pool_snapshot` on the first held-out
+        example of the run's evaluation batches.
+    Nothing when the runs are not on this machine (a report from elsewhere)."""
+    if phase.variant in ("dense", "ptq") or plan.extras_path(phase).exists():
         return
-    snapshots = {}
+    extras = {}
     for record in plan.phase_report(phase)["results"]:
         run_dir = Path(record["run_dir"])
-        if record["seed"] not in SNAPSHOT_SEEDS or not (run_dir / "config.json").exists():
-            continue
+        if not (run_dir / "config.json").exists():
+            return
         cfg = train.TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
         model = _common.load_model(cfg, run_dir)
-        task, seed = cfg.make_task(), cfg.seed + train.EVAL_SEED_OFFSET
-        snapshots[str(cfg.seed)] = evaluate.pool_snapshot(model, task, seed=seed)
-    if snapshots:
-        plan.snapshot_path(phase).write_text(json.dumps(snapshots))
+        one = _common.with_model_fields(model, candidate_topk_blocks=1)
+        result = evaluate.evaluate(
+            one,
+            cfg.make_task(),
+            seed=cfg.seed + train.EVAL_SEED_OFFSET,
+            batches=cfg.eval_batches,
+            batch_size=cfg.batch_size,
+            dense=False,
+        )
+        extra = {"pool1_accuracy": result["accuracy"], "pool1_task_loss": result["task_loss"]}
+        print(
+            f"{phase.name}, seed {cfg.seed}: accuracy {extra['pool1_accuracy']:.1%} with a "
+            f"pool of one block (as trained: {record['accuracy']:.1%})",
+            flush=True,
+        )
+        if cfg.seed in SNAPSHOT_SEEDS:
+            seed = cfg.seed + train.EVAL_SEED_OFFSET
+            extra["pool_snapshot"] = evaluate.pool_snapshot(model, cfg.make_task(), seed=seed)
+        extras[str(cfg.seed)] = extra
+    plan.extras_path(phase).write_text(json.dumps(extras))
 
 
 def run_ptq(plan: Plan, phase: Phase) -> None:
@@ -323,13 +345,10 @@ def _combined(plan: Plan, phases: Sequence[Phase], experiment: str, **fields) ->
     config |= fields
     records = []
     for phase, report in found:
-        path = plan.snapshot_path(phase)
-        snapshots = json.loads(path.read_text()) if path.exists() else {}
+        path = plan.extras_path(phase)
+        extras = json.loads(path.read_text()) if path.exists() else {}
         for record in report["results"]:
-            record = dict(record, phase=phase.name)
-            if str(record["seed"]) in snapshots:
-                record["pool_snapshot"] = snapshots[str(record["seed"])]
-            records.append(record)
+            records.append(dict(record, phase=phase.name, **extras.get(str(record["seed"]), {})))
     return {"config": config, "results": records, "summary": _common.summarize(records)}
 
 
@@ -480,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for phase in plan.phases:
         if plan.phase_done(phase):
-            take_snapshots(plan, phase)  # phases done before snapshots were taken
+            after_phase(plan, phase)  # phases done before it was taken
             continue
         if not plan.prefix_done(phase.prefix_kv):
             name = plan.prefix_name(phase.prefix_kv)
@@ -502,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             block_score_ablation.main(plan.phase_argv(phase, seconds_left() / 60))
             if plan.phase_done(phase):
-                take_snapshots(plan, phase)
+                after_phase(plan, phase)
         write_outputs(plan, out_dir)
     written = write_outputs(plan, out_dir)
     print(status(plan))

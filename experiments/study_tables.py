@@ -84,6 +84,7 @@ def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
         "steps to threshold: mean (reached)",
         "evidence in pool (%)",
         f"evidence selected L{' / L'.join(names)} (%)",
+        "accuracy, pool of one block (%)",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     pool = ("pool_recall", "pool_recall_random", "pool_recall_recent", "pool_recall_oracle")
@@ -102,6 +103,7 @@ def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
             _steps_to(own),
             _pct(s.get("evidence_in_pool")),
             _joined(s, layers, "evidence_selected"),
+            _pct(s.get("pool1_accuracy")),
         ]
         lines.append("| " + " | ".join(row) + " |")
     seeds = sorted({r["seed"] for r in records})

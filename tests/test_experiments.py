@@ -440,6 +440,9 @@ def test_long_context_studies_kv_smoke_trains_from_the_f32_prefix_and_resumes(tm
         snapshot = by_variant[variant]["pool_snapshot"]
         assert snapshot["seed"] == 0 + train.EVAL_SEED_OFFSET and snapshot["queries"]
     assert "pool_snapshot" not in by_variant["ptq/mxfp4"]
+    # ... and every trained record its accuracy with a pool of one block.
+    assert all(0 <= by_variant[v]["pool1_accuracy"] <= 1 for v in ("f32", "qat/mxfp4"))
+    assert "pool1_accuracy" in report["summary"]["f32"]
     # PTQ reads the f32 run's final weights.
     assert by_variant["ptq/mxfp4"]["run_dir"] == by_variant["f32"]["run_dir"]
     assert by_variant["ptq/mxfp4"]["step"] == by_variant["f32"]["step"]
