@@ -287,19 +287,26 @@ def test_the_loop_step_runner_equals_train_step():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_evidence_metrics_count_the_answer_position_in_the_pool_and_the_selections():
-    """`evidence_in_pool` and each Reindex layer's `evidence_selected` / `evidence_topk` equal a
-    count over the model's own trace, query by query, at scored queries beyond the pool."""
+@pytest.fixture(scope="module")
+def evidence_case():
+    """An untrained tiny() on one multi-passkey example of 256 tokens with a pool of 2 blocks,
+    evaluated once (`evaluate` on that example alone)."""
     cfg = train.make_config(
         train.TrainConfig(),
         task="multi_passkey",
         task_changes=dict(seq_len=256),
         model_changes=dict(candidate_topk_blocks=2),
     )
-    model = train.build(cfg)[0]
-    task, c = cfg.make_task(), cfg.model_config()
-    got = evaluate.evaluate(model, task, seed=5, batches=1, batch_size=4, dense=False)
-    b = task.batch_at(5, 0, 4)
+    model, task = train.build(cfg)[0], cfg.make_task()
+    got = evaluate.evaluate(model, task, seed=7, batches=1, batch_size=1, dense=False)
+    return model, task, cfg.model_config(), got
+
+
+def test_evidence_metrics_count_the_answer_position_in_the_pool_and_the_selections(evidence_case):
+    """`evidence_in_pool` and each Reindex layer's `evidence_selected` / `evidence_topk` equal a
+    count over the model's own trace, query by query, at scored queries beyond the pool."""
+    model, task, c, got = evidence_case
+    b = task.batch_at(7, 0, 1)
     _, trace = model.run(jnp.asarray(b.tokens), dense=False, diagnostics=True)
     pool = np.asarray(trace[c.candidate_source_layer].shared.pool.mask)
     layers = [(p.layer, s) for p, s in zip(c.layers, trace, strict=True) if p.uses_candidates]
@@ -323,14 +330,8 @@ def test_evidence_metrics_count_the_answer_position_in_the_pool_and_the_selectio
         assert got[key] == pytest.approx(count / n), key
 
 
-def test_a_pool_snapshot_agrees_with_the_pool_and_the_evidence_metrics():
-    cfg = train.make_config(
-        train.TrainConfig(),
-        task="multi_passkey",
-        task_changes=dict(seq_len=256),
-        model_changes=dict(candidate_topk_blocks=2),
-    )
-    model, task, c = train.build(cfg)[0], cfg.make_task(), cfg.model_config()
+def test_a_pool_snapshot_agrees_with_the_pool_and_the_evidence_metrics(evidence_case):
+    model, task, c, got = evidence_case
     snap = evaluate.pool_snapshot(model, task, seed=7, scores_for=2)
     queries = snap["queries"]
     assert [q["t"] for q in queries] == list(np.flatnonzero(task.batch_at(7, 0, 1).loss_mask[0]))
@@ -354,7 +355,6 @@ def test_a_pool_snapshot_agrees_with_the_pool_and_the_evidence_metrics():
             if q[f"{layer}/evidence_selected"]:
                 assert in_pool and q["evidence_block"] in q[f"{layer}/selected_blocks"]
     # The same example through `evaluate`: the same fraction of evidence in the pool and selected.
-    got = evaluate.evaluate(model, task, seed=7, batches=1, batch_size=1, dense=False)
     beyond = [q for q in queries if q["visible"] > c.candidate_pool_size]
     assert beyond
     want = np.mean([q["evidence_block"] in q["pool_blocks"] for q in beyond])
