@@ -42,7 +42,7 @@ from v41jax import train
 from v41jax.train import evaluate
 
 SMOKE = os.environ.get("V41JAX_SMOKE", "0") == "1"
-REPO = Path(train.__file__).resolve().parents[1]  # the repository of this checkout
+REPO = Path(train.__file__).resolve().parents[2]  # the repository of this checkout
 RESULTS_DIR = Path(os.environ.get("V41JAX_RESULTS_DIR", REPO / "experiments" / "results"))
 
 if os.environ.get("V41JAX_RUN_DIR"):
