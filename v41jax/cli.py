@@ -146,7 +146,7 @@ def _train(args: argparse.Namespace) -> int:
             )
             return 2
         try:
-            mesh = train.check_mesh(train.make_mesh(args.mesh), cfg.batch_size)
+            mesh = train.check_mesh(train.make_mesh(args.mesh), cfg)
         except ValueError as err:
             print(f"v41jax train: error: --mesh: {err}", file=sys.stderr)
             return 2
@@ -266,7 +266,7 @@ def name_value(text: str) -> tuple[str, object]:
 
 
 def _mesh_shape(text: str) -> dict[str, int]:
-    """`--mesh`: comma-separated AXIS=SIZE, e.g. data=2 or data=2,context=1."""
+    """`--mesh`: comma-separated AXIS=SIZE, e.g. data=2 or data=2,context=4."""
     shape = {}
     for part in text.split(","):
         axis, sep, size = part.partition("=")
@@ -465,9 +465,10 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument(
         "--mesh",
         type=_mesh_shape,
-        metavar="data=N",
-        help="train data-parallel over N devices: each batch split over them, the state "
-        "replicated (context parallelism, context=M, is not built yet)",
+        metavar="data=N[,context=M]",
+        help="train over N×M devices: each batch split over N (data parallel), each sequence "
+        "into M contiguous slices (context parallel: seq_len a multiple of M × window_size, "
+        "query_chunk 0); the state replicated",
     )
     train_parser.add_argument(
         "--converge-accuracy",

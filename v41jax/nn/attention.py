@@ -32,6 +32,7 @@ from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.nn.indexer import Indexer, indexer_kl
 from v41jax.nn.rope import apply_rope
 from v41jax.nn.selection import SharedState, attended_indices, select, select_chunk
+from v41jax.nn.sharding import rowwise, split_sequence, whole_sequence
 from v41jax.ops import formats
 from v41jax.ops.attention import chunk_attention, masked_attention, sliding_window_rows
 from v41jax.ops.pool import CandidatePool
@@ -163,13 +164,15 @@ class Attention(nnx.Module):
             kv = jnp.zeros((batch, 0, c.head_dim), x.dtype)
             key_mask, scores, compress_lens = jnp.zeros((batch, seq, 0), bool), None, None
         else:
-            compress_lens = jnp.broadcast_to((positions + 1) // plan.compress_ratio, (batch, seq))
+            compress_lens = split_sequence(
+                jnp.broadcast_to((positions + 1) // plan.compress_ratio, (batch, seq))
+            )
             shared, scores = select(
                 c, plan, self.indexer, qr, x, positions, compress_lens, shared, debug=debug
             )
             kv = shared.kv
             indices = attended_indices(plan, shared, compress_lens, kv.shape[1], dense=dense)
-            key_mask = indices_to_mask(indices, kv.shape[1])
+            key_mask = rowwise(lambda i: indices_to_mask(i, kv.shape[1]), indices)
         result = masked_attention(
             q, window, kv, key_mask, self.sink[...], window_size=c.window_size
         )
@@ -295,10 +298,11 @@ class Attention(nnx.Module):
             return shared
         latent = self.compressor(x)
         entry_positions = jnp.arange(latent.shape[1]) * self.plan.compress_ratio
-        shared = shared.replace(kv=self._main_kv(latent, entry_positions))
+        # Whole on every device under context parallelism (`sharding`): local queries read all.
+        shared = shared.replace(kv=whole_sequence(self._main_kv(latent, entry_positions)))
         if self.indexer is not None:
             keys = self.indexer.keys(jax.lax.stop_gradient(latent), entry_positions)
-            shared = shared.replace(index_k=keys)
+            shared = shared.replace(index_k=whole_sequence(keys))
         return shared
 
     def _dense_probs(self, q, window, kv, compress_lens):

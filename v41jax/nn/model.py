@@ -22,6 +22,7 @@ from v41jax.nn.cache import Cache
 from v41jax.nn.config import ModelConfig, Role
 from v41jax.nn.dispatch import check_implementation, check_kernel_config
 from v41jax.nn.selection import SharedState
+from v41jax.nn.sharding import split_sequence
 from v41jax.ops import check_finite
 
 
@@ -115,7 +116,7 @@ class Model(nnx.Module):
         self._check_tokens(tokens, 2)
         if debug:
             _check_token_ids(tokens, self.config.vocab_size)
-        h = self.embed(tokens)
+        h = split_sequence(self.embed(tokens))
         shared, trace = SharedState(), []
         for block in self.blocks:
             h, shared, layer = block(
@@ -127,6 +128,7 @@ class Model(nnx.Module):
                 indexer_loss=indexer_loss,
                 diagnostics=diagnostics,
             )
+            h = split_sequence(h)
             trace.append(layer)
         logits = self.head(self.norm(h))
         if debug:

@@ -30,6 +30,7 @@ from jaxtyping import Array, Float, Int
 from v41jax.nn import dispatch
 from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.nn.indexer import Indexer
+from v41jax.nn.sharding import rowwise, split_sequence
 from v41jax.ops.invariants import check_scores, check_selection
 from v41jax.ops.pool import (
     CandidatePool,
@@ -109,17 +110,24 @@ def select(
         )
         topk, scores = picks.indices[:, None], None
     else:
-        scores = index_scores(
-            q, weights, shared.index_k, compress_lens, score_dtype=config.index_score_dtype
+        # Rows are queries: split like the sequence under context parallelism (`sharding`).
+        scores = split_sequence(
+            index_scores(
+                q, weights, shared.index_k, compress_lens, score_dtype=config.index_score_dtype
+            )
         )
         if plan.is_candidate_source:
-            pool = candidate_pool(config, scores, compress_lens)
-        topk = topk_indices(
+            pool = rowwise(lambda s, n: candidate_pool(config, s, n), scores, compress_lens)
+        topk = rowwise(
+            lambda s, m: topk_indices(
+                s,
+                config.index_topk,
+                m,
+                tie_order=config.tie_order,
+                neginf_picks=config.neginf_picks,
+            ),
             scores,
-            config.index_topk,
             pool.mask if plan.uses_candidates else None,
-            tie_order=config.tie_order,
-            neginf_picks=config.neginf_picks,
         )
     if debug:
         if scores is not None:

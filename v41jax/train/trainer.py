@@ -19,6 +19,7 @@ and evaluate with another format for post-training quantization.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -37,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from v41jax.nn import config as config_lib
+from v41jax.nn import sharding
 from v41jax.nn.model import Model, indexer_kls
 from v41jax.train import evaluate as evaluate_lib
 from v41jax.train import rundir
@@ -402,14 +404,16 @@ def _compiled_step(graphdef, paths: tuple) -> Callable:
     )
 
 
-MESH_AXES = ("data", "context")
-"""The training mesh's axes: 'data' splits the batch; 'context' will split each sequence
-(context parallelism, not built yet: it must be 1)."""
+MESH_AXES = (sharding.DATA, sharding.CONTEXT)
+"""The training mesh's axes: 'data' splits the batch; 'context' splits each sequence into
+contiguous slices (context parallelism: each device computes its own queries against the
+all-gathered compressed KV and index keys; `v41jax.nn.sharding`)."""
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A training mesh of `shape` ({'data': N, 'context': 1}; missing axes are 1) over the
-    first data·context devices of `devices` (default `jax.devices()`)."""
+    """A training mesh of `shape` ({'data': N, 'context': M}; missing axes are 1) over the
+    first data·context devices of `devices` (default `jax.devices()`): a sequence's slices lie
+    on neighbouring devices."""
     unknown = sorted(set(shape) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"mesh: expected axes among {MESH_AXES}, got {unknown}")
@@ -427,23 +431,41 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     return check_mesh(Mesh(grid, MESH_AXES))
 
 
-def check_mesh(mesh: Mesh | None, batch_size: int | None = None) -> Mesh | None:
-    """`mesh` if the trainer can use it (axes `MESH_AXES`, context 1, and `batch_size`, when
-    given, a multiple of its data axis), else ValueError."""
+def check_mesh(mesh: Mesh | None, cfg: TrainConfig | None = None) -> Mesh | None:
+    """`mesh` if the trainer can use it for `cfg` (when given), else ValueError: axes
+    `MESH_AXES`; the batch a multiple of 'data'; with 'context' > 1, the sequence a multiple of
+    context × window_size and the unchunked attention (`ModelConfig.query_chunk` 0: the
+    chunked pass loops over the sequence, which context parallelism splits)."""
     if mesh is None:
         return None
     if tuple(mesh.axis_names) != MESH_AXES:
         raise ValueError(f"mesh: expected axes {MESH_AXES}, got {tuple(mesh.axis_names)}")
-    if mesh.shape["context"] != 1:
+    if cfg is None:
+        return mesh
+    n_data, n_context = mesh.shape["data"], mesh.shape["context"]
+    if cfg.batch_size % n_data:
         raise ValueError(
-            "mesh: context parallelism (sharding each sequence) is not built yet; expected "
-            f"context=1, got context={mesh.shape['context']}"
+            f"TrainConfig.batch_size: expected a multiple of the mesh's data={n_data}, "
+            f"got {cfg.batch_size}"
         )
-    if batch_size is not None and batch_size % mesh.shape["data"]:
-        raise ValueError(
-            f"TrainConfig.batch_size: expected a multiple of the mesh's data={mesh.shape['data']}, "
-            f"got {batch_size}"
-        )
+    if n_context > 1:
+        seq_len, window = cfg.make_task().seq_len, cfg.model_config().window_size
+        if seq_len % (n_context * window):
+            # Each device holds whole windows. With shorter or ragged slices XLA's partition of
+            # the window band (chunks of window_size) came out ~1e-3 off the one-device result
+            # on 8 CPU devices (slices of 8 and 16 tokens under a window of 32); whole windows
+            # agree to float rounding.
+            raise ValueError(
+                f"task seq_len: expected a multiple of context × window_size = {n_context} × "
+                f"{window} = {n_context * window} (each device holds whole windows), got "
+                f"{seq_len}"
+            )
+        if cfg.model_config().query_chunk:
+            raise ValueError(
+                f"ModelConfig.query_chunk: expected 0 with context={n_context} (the chunked "
+                "attention is not built for split sequences; each device already holds "
+                f"seq_len/context queries), got {cfg.model_config().query_chunk}"
+            )
     return mesh
 
 
@@ -459,6 +481,7 @@ class StepRunner:
 
     def __init__(self, model: Model, optimizer: nnx.Optimizer, mesh: Mesh | None = None):
         self.mesh = check_mesh(mesh)
+        self.window = model.config.window_size
         self.graphdef, state = nnx.split((model, optimizer))
         flat = nnx.to_flat_state(state)
         self.paths = tuple(flat.paths)
@@ -470,11 +493,12 @@ class StepRunner:
         self.variables = [by_path[path] for path in self.paths]
         self.step = _compiled_step(self.graphdef, self.paths)
         if self.mesh is not None:
-            # Data parallelism: the state replicated on every device of the mesh, each batch
-            # split over its 'data' axis; jit partitions the step (the gradient's mean becomes an
-            # all-reduce) and keeps the donated state where it is.
+            # The state replicated on every device of the mesh; each batch split over 'data'
+            # (its sequences) and 'context' (each sequence's tokens); jit partitions the step
+            # under the mesh (the gradient's mean becomes an all-reduce, the model's layout
+            # follows `v41jax.nn.sharding`) and keeps the donated state where it is.
             self.replicated = NamedSharding(self.mesh, PartitionSpec())
-            self.split = NamedSharding(self.mesh, PartitionSpec("data"))
+            self.split = NamedSharding(self.mesh, PartitionSpec(*MESH_AXES))
             for variable in self.variables:
                 value = variable.get_raw_value()
                 if isinstance(value, jax.Array):
@@ -490,8 +514,16 @@ class StepRunner:
                     f"batch: expected a batch size divisible by the mesh's data={n_data}, got "
                     f"{tokens.shape[0]}"
                 )
+            n_context = self.mesh.shape["context"]
+            window = self.window if n_context > 1 else 1
+            if tokens.shape[1] % (n_context * window):
+                raise ValueError(
+                    f"batch: expected a sequence length divisible by the mesh's context × "
+                    f"window_size = {n_context * window}, got {tokens.shape[1]}"
+                )
             tokens, targets, loss_mask = jax.device_put((tokens, targets, loss_mask), self.split)
-        with rundir.deferred_interrupts():
+        in_mesh = jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        with rundir.deferred_interrupts(), in_mesh:
             values, metrics = self.step(
                 [v.get_raw_value() for v in self.variables],
                 tokens,
@@ -818,7 +850,7 @@ def run(
       steps it trained now).
     """
     check_run_arguments(log_every=log_every, stop_after=stop_after, max_seconds=max_seconds)
-    check_mesh(mesh, cfg.batch_size)
+    check_mesh(mesh, cfg)
     run_dir = Path(run_dir)
     held = rundir.prepare(run_dir, cfg.to_json(), resume, LEGACY_FIELDS)
     with rundir.checkpoint_manager(run_dir, cfg.keep_checkpoints) as manager:

@@ -1,0 +1,150 @@
+"""Context-parallel training equals training on one device (issue 15): each sequence split into
+contiguous slices over the mesh's 'context' axis (`v41jax.nn.sharding`), alone (1 × 8) and with
+data parallelism (2 × 4).
+
+Runs on 8 devices: `tests/test_multidevice.py` starts it with 8 simulated CPU devices.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from v41jax import train
+
+if jax.device_count() < 8:
+    raise RuntimeError(
+        "tests/multidevice needs 8 devices: run it through tests/test_multidevice.py"
+    )
+
+from tests.multidevice._shared import ADAM_ATOL, CFG
+
+# 256 tokens: every device holds whole windows of 32 (`train.check_mesh`) on both meshes.
+CP = CFG.replace(task_overrides={**dict(CFG.task_overrides), "seq_len": 256})
+# The Full layer compressing pairs of tokens.
+RATIO2 = CP.replace(model_overrides={**dict(CP.model_overrides), "compress_ratios": (0, 2, 2, 2)})
+MESHES = {"1x8": {"context": 8}, "2x4": {"data": 2, "context": 4}}
+
+
+def _loss_and_grads(cfg, mesh, *, dense=False):
+    """The first batch's loss and gradient (sparse stage unless `dense`), the batch split over
+    `mesh` (None: one device)."""
+    model, _ = train.build(cfg)
+    b = cfg.make_task().batch_at(cfg.seed, 0, cfg.batch_size)
+    batch = tuple(jnp.asarray(x) for x in (b.tokens, b.targets, b.loss_mask))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def loss_and_grads(state, tokens, targets, mask):
+        def loss(m):
+            return train.loss_fn(m, tokens, targets, mask, dense=dense, indexer_kl_weight=1.0)[0]
+
+        return nnx.value_and_grad(loss)(nnx.merge(graphdef, state))
+
+    if mesh is None:
+        value, grads = loss_and_grads(state, *batch)
+    else:
+        batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data", "context")))
+        with jax.set_mesh(mesh):
+            value, grads = loss_and_grads(state, *batch)
+    flat = nnx.to_flat_state(grads)
+    return float(value), {p: np.asarray(v.get_value()) for p, v in flat}
+
+
+@pytest.mark.parametrize(
+    ("mesh_name", "cfg", "dense"),
+    [("1x8", RATIO2, False), ("1x8", RATIO2, True), ("2x4", CP, False)],
+    ids=["1x8-ratio2-sparse", "1x8-ratio2-dense", "2x4-ratio1-sparse"],
+)
+def test_a_context_parallel_gradient_equals_the_one_device_gradient(mesh_name, cfg, dense):
+    want_loss, want = _loss_and_grads(cfg, None, dense=dense)
+    got_loss, got = _loss_and_grads(cfg, train.make_mesh(MESHES[mesh_name]), dense=dense)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    scale = max(np.abs(g).max() for g in want.values())
+    assert got.keys() == want.keys()
+    for path, g in got.items():
+        np.testing.assert_allclose(g, want[path], rtol=1e-4, atol=1e-5 * scale, err_msg=str(path))
+
+
+def _train(mesh):
+    model, optimizer = train.build(CP)
+    metrics = []
+    train.train_steps(
+        model, optimizer, CP, CP.make_task(), 0, CP.steps,
+        lambda done, m: metrics.append(jax.device_get(m)), mesh=mesh,
+    )  # fmt: skip
+    params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {p: np.asarray(v.get_value()) for p, v in params}, metrics
+
+
+@pytest.fixture(scope="module")
+def alone():
+    return _train(None)
+
+
+def test_context_parallel_steps_equal_the_one_device_steps(alone):
+    want_params, want_metrics = alone
+    params, metrics = _train(train.make_mesh(MESHES["2x4"]))
+    for got, want in zip(metrics, want_metrics, strict=True):
+        for name in ("loss", "task_loss", "indexer_kl", "grad_norm"):
+            np.testing.assert_allclose(got[name], want[name], rtol=5e-4, atol=1e-6, err_msg=name)
+    # Adam's per-element normalization turns a float-level gradient difference of an element
+    # whose gradient is near 0 into an update difference of up to 2·lr a step (`_shared`): a
+    # handful of elements may move that far, the rest agree to ADAM_ATOL.
+    bound = 2 * CP.learning_rate * CP.steps
+    for path, value in params.items():
+        diff = np.abs(value - want_params[path])
+        assert diff.max() <= bound, (path, diff.max())
+        assert np.mean(diff > ADAM_ATOL + 1e-4 * np.abs(want_params[path])) <= 1e-3, path
+
+
+def test_meshes_context_parallelism_cannot_use_are_refused():
+    mesh = train.make_mesh({"context": 8})
+    with pytest.raises(ValueError, match=r"task seq_len: expected a multiple of context × window"):
+        train.check_mesh(mesh, CFG)  # 64 tokens: slices of 8 under a window of 32
+    chunked = CP.replace(model_overrides={**dict(CP.model_overrides), "query_chunk": 16})
+    with pytest.raises(ValueError, match=r"ModelConfig.query_chunk: expected 0 with context=8"):
+        train.run(chunked, "unused", mesh=mesh)
+
+
+def _compiled_step(mesh):
+    model, _ = train.build(CP)
+    b = CP.make_task().batch_at(CP.seed, 0, CP.batch_size)
+    batch = tuple(jnp.asarray(x) for x in (b.tokens, b.targets, b.loss_mask))
+    graphdef, state = nnx.split(model)
+
+    def loss_and_grads(state, tokens, targets, mask):
+        def loss(m):
+            return train.loss_fn(m, tokens, targets, mask, dense=False, indexer_kl_weight=1.0)[0]
+
+        return nnx.value_and_grad(loss)(nnx.merge(graphdef, state))
+
+    if mesh is None:
+        return jax.jit(loss_and_grads).lower(state, *batch).compile()
+    batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data", "context")))
+    with jax.set_mesh(mesh):
+        return jax.jit(loss_and_grads).lower(state, *batch).compile()
+
+
+def test_a_context_parallel_step_gathers_the_compressed_rows_not_the_query_rows():
+    """What the devices exchange: the compressed KV and index keys (and their gradients), O(S·d)
+    values each; never an array of all queries × all positions ([B, T, S]: scores, masks,
+    probabilities), which would make the exchange grow with T·S. And each device's working
+    memory is a fraction of the one-device step's."""
+    compiled = _compiled_step(train.make_mesh({"context": 8}))
+    text = compiled.as_text()
+    b, t = CP.batch_size, CP.make_task().seq_len
+    s = t // min(r for r in CP.model_config().compress_ratios if r)
+    gathered = [
+        int(np.prod([int(d) for d in dims.split(",") if d]))
+        for dims in re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} all-gather", text)
+    ]
+    assert gathered, "expected the compressed KV to be all-gathered"
+    assert max(gathered) < b * t * s, sorted(gathered)
+    alone = _compiled_step(None).memory_analysis().temp_size_in_bytes
+    split = compiled.memory_analysis().temp_size_in_bytes
+    assert split * 4 < alone, (split, alone)  # 8 devices: about 1/8 measured

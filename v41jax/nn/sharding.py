@@ -1,0 +1,70 @@
+"""Context parallelism's layout inside the model: where a sequence is split over devices and
+where it is whole (issue 15).
+
+Under a training mesh with a 'context' axis larger than 1 (set with `jax.set_mesh`, as
+`train.StepRunner` does), XLA's SPMD partitioner places every array of the step; these
+constraints fix the layout at the points that decide what devices exchange:
+  - the residual stream [B, T, dim] (`split_sequence`): the batch over 'data', the tokens over
+    'context' in contiguous slices, so each device computes its own queries, window and FFN;
+  - the compressed main KV and the index keys [B, S, d] (`whole_sequence`): whole on every
+    device, one all-gather per KV source of S·d values (V4.1's MXFP4 index keys are 68 bytes a
+    position), which the local queries score and attend to.
+The attention computes masked entries too (no causal skipping), so contiguous slices give every
+device the same work: no load-balancing permutation is needed.
+
+Without such a mesh the constraints do nothing: one-device code is unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec
+
+DATA = "data"
+"""The mesh axis that splits the batch."""
+CONTEXT = "context"
+"""The mesh axis that splits each sequence."""
+
+
+def context_mesh():
+    """The mesh in context (`jax.set_mesh`) if it splits sequences (a 'context' axis > 1), else
+    None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or CONTEXT not in mesh.axis_names or mesh.shape[CONTEXT] == 1:
+        return None
+    return mesh
+
+
+def _constrain(x, sequence_axis):
+    mesh = context_mesh()
+    if mesh is None:
+        return x
+    data = DATA if DATA in mesh.axis_names else None
+    return jax.lax.with_sharding_constraint(
+        x, PartitionSpec(data, sequence_axis, *([None] * (x.ndim - 2)))
+    )
+
+
+def split_sequence(x: jax.Array) -> jax.Array:
+    """`x` [B, T, ...] laid out with its batch over 'data' and its tokens over 'context'."""
+    return _constrain(x, CONTEXT)
+
+
+def whole_sequence(x: jax.Array) -> jax.Array:
+    """`x` [B, S, ...] laid out with its batch over 'data' and every position on every device
+    of the 'context' axis."""
+    return _constrain(x, None)
+
+
+def rowwise(fn, *args):
+    """`fn(*args)` for arrays laid out [B, T, ...] whose rows (queries) are independent, run on
+    each device's own rows under context parallelism (`jax.shard_map`), else as is.
+
+    For the selections (top-k of the scores, the candidate pool): XLA partitions a sort along
+    the split rows, but not `lax.top_k`, which it would run on all-gathered [B, T, S] scores.
+    The result is the same either way; only where it is computed differs."""
+    mesh = context_mesh()
+    if mesh is None:
+        return fn(*args)
+    spec = PartitionSpec(DATA if DATA in mesh.axis_names else None, CONTEXT)
+    return jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec)(*args)
