@@ -20,3 +20,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # tests/multidevice needs 8 devices in its own process: tests/test_multidevice.py starts it with
 # 8 simulated CPU devices (and V41JAX_MULTIDEVICE=1); a normal run does not collect it.
 collect_ignore = [] if os.environ.get("V41JAX_MULTIDEVICE") == "1" else ["multidevice"]
+
+# The longest items first: pytest-xdist hands items out in collection order, and the 8-device
+# subprocess (several minutes on one worker) collected last would leave the other worker idle
+# at the end. Started first, it runs beside everything else.
+LONGEST_FIRST = (
+    "tests/test_multidevice.py::test_the_multidevice_tests_pass_on_8_simulated_cpu_devices",
+    "tests/test_multidevice.py::test_a_data_parallel_run_across_two_processes_equals_one_device",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {nodeid: i for i, nodeid in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
