@@ -451,10 +451,10 @@ def check_mesh(mesh: Mesh | None, cfg: TrainConfig | None = None) -> Mesh | None
     if n_context > 1:
         seq_len, window = cfg.make_task().seq_len, cfg.model_config().window_size
         if seq_len % (n_context * window):
-            # Each device holds whole windows. With shorter or ragged slices XLA's partition of
-            # the window band (chunks of window_size) came out ~1e-3 off the one-device result
-            # on 8 CPU devices (slices of 8 and 16 tokens under a window of 32); whole windows
-            # agree to float rounding.
+            # Each device holds whole windows. With shorter slices (8 and 16 tokens under a
+            # window of 32, 8 CPU devices) the partitioned step came out ~1e-3 off the
+            # one-device result, with or without the model's layout constraints (cause not
+            # found); slices of whole windows agree to float rounding.
             raise ValueError(
                 f"task seq_len: expected a multiple of context × window_size = {n_context} × "
                 f"{window} = {n_context * window} (each device holds whole windows), got "
