@@ -37,6 +37,13 @@ pool?), and seed 0's final pools on one held-out example (`pool_snapshot`,
     PYTHONPATH=. python3 experiments/long_context_studies.py --max-minutes 9   # again to go on
     PYTHONPATH=. python3 experiments/long_context_studies.py --study kv_format --max-minutes 9
     PYTHONPATH=. python3 experiments/long_context_studies.py --status          # what is done
+
+A lent machine's work directory goes with it; on a fresh one, `--restore` the committed
+combined reports so that their finished phases count as done (the prefix trains again: the
+same seeds, data and steps):
+
+    PYTHONPATH=. python3 experiments/long_context_studies.py --max-minutes 9 \
+        --restore experiments/results/block_score_4k_ratio*_h200_*.json
     PYTHONPATH=. python3 experiments/long_context_studies.py --smoke --out-dir /tmp/lcs  # CPU
 """
 
@@ -85,12 +92,10 @@ class Phase:
 
 
 def _block_score(ratios: Sequence[int]) -> tuple[Phase, ...]:
-    # The question first (max vs mean at two ratios), then the dense baseline, the third
-    # reducer and the third ratio.
-    first, second, *rest = ratios
-    order = [(first, "max"), (first, "mean"), (second, "max"), (second, "mean")]
-    order += [(first, "dense"), (first, "top2"), (second, "top2")]
-    order += [(r, v) for r in rest for v in ("max", "mean", "top2")]
+    # The question first (max vs mean at every ratio), then the dense baseline (at the first
+    # ratio: it has no pool), then the third reducer at every ratio.
+    order = [(r, v) for r in ratios for v in ("max", "mean")]
+    order += [(ratios[0], "dense")] + [(r, "top2") for r in ratios]
     return tuple(Phase(r, v) for r, v in order)
 
 
@@ -329,6 +334,53 @@ def run_ptq(plan: Plan, phase: Phase) -> None:
     _common.write_report(path, config, records)
 
 
+def _commits(config: dict) -> list[str]:
+    """A report's commit: one (a phase's report) or several (a combined or restored one)."""
+    commit = config["commit"]
+    return [commit] if isinstance(commit, str) else list(commit)
+
+
+def restore(plan: Plan, combined: Path) -> list[str]:
+    """Phase reports, in the work directory, from a committed combined report (`_combined`'s
+    output, e.g. one a lent machine wrote before it was given back), so that its finished
+    phases are not trained again on a fresh machine; returns the phases restored. A phase
+    whose report is already there, or that is not done in `combined`, is left alone. The
+    restored records keep their `run_dir`: `after_phase` finds no run there and adds nothing.
+    """
+    report = json.loads(combined.read_text())
+    config = report["config"]
+    if config.get("plan") != f"experiments/{NAME}.py":
+        raise ValueError(
+            f"--restore: expected a combined report of experiments/{NAME}.py (its 'plan' in "
+            f"the config), got {combined} (plan {config.get('plan')!r})"
+        )
+
+    def phase_of(record: dict) -> str:
+        # Block-score reports of 2026-12-01 name no phase: it is their ratio and variant.
+        return record.get("phase") or f"ratio{config['ratio']}-{record['variant']}"
+
+    records = [dict(r, phase=phase_of(r)) for r in report["results"]]
+    by_name = {p.name: p for p in plan.phases}
+    found = list(dict.fromkeys(r["phase"] for r in records))
+    restored = []
+    for name, argv in zip(found, config["argv"], strict=True):
+        phase = by_name.get(name)
+        if phase is None or plan.phase_report(phase) is not None:
+            continue
+        own = dict(config, argv=argv, restored_from=str(combined))
+        for key in ("phases", "plan", "partial", "variants"):
+            own.pop(key, None)
+        path = plan.report_path(phase)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mine = [{k: v for k, v in r.items() if k != "phase"} for r in records if r["phase"] == name]
+        _common.write_report(path, own, mine)
+        if plan.phase_done(phase):
+            restored.append(name)
+        else:
+            path.unlink()
+    return restored
+
+
 def _combined(plan: Plan, phases: Sequence[Phase], experiment: str, **fields) -> dict | None:
     """The records of `phases`' reports as one report of `experiment` (None before any),
     "partial" in its config until every phase is done."""
@@ -338,7 +390,10 @@ def _combined(plan: Plan, phases: Sequence[Phase], experiment: str, **fields) ->
     config = dict(found[0][1]["config"])
     config["experiment"] = experiment
     config["argv"] = [rep["config"]["argv"] for _, rep in found]
-    config["commit"] = sorted({rep["config"]["commit"] for _, rep in found})
+    config["commit"] = sorted({c for _, rep in found for c in _commits(rep["config"])})
+    notes = dict.fromkeys(n for _, rep in found if (n := rep["config"].get("commit_note")))
+    if notes:
+        config["commit_note"] = " ".join(notes)
     config["phases"] = [p.name for p in phases]
     config["plan"] = f"experiments/{NAME}.py"
     config["partial"] = not all(plan.phase_done(p) for p in phases)
@@ -480,6 +535,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="where the combined reports go (experiments/results; --smoke: required)",
     )
     parser.add_argument("--max-minutes", type=float, help="a guard for this call (none)")
+    parser.add_argument(
+        "--restore",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="REPORT",
+        help="combined reports (experiments/results) whose finished phases count as done here",
+    )
     parser.add_argument("--status", action="store_true", help="print what is done and exit")
     parser.add_argument("--smoke", action="store_true", help="the plan on tiny(), on a CPU")
     args = parser.parse_args(argv)
@@ -487,6 +550,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--out-dir: --smoke outputs are not results; name a folder for them")
     out_dir = args.out_dir or _common.RESULTS_DIR
     plan = Plan(args)
+    for path in args.restore:
+        if not path.is_file():
+            parser.error(f"--restore: no such report: {path}")
+        if names := restore(plan, path):
+            print(f"restored from {path}: {', '.join(names)}", flush=True)
     if args.status:
         print(status(plan))
         return 0

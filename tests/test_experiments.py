@@ -415,6 +415,20 @@ def test_long_context_studies_combine_the_phases_into_each_studys_report(tmp_pat
     assert not plan.phase_done(P(64, "max")) and plan.phase_done(P(16, "max"))
     assert "ratio64-max: partial" in long_context_studies.status(plan)
 
+    # A fresh machine's work directory, restored from the combined report: the finished
+    # phases count as done (and combine to the same records), the unfinished one does not.
+    combined = tmp_path / "ratio16.json"
+    combined.write_text(json.dumps(report))
+    fresh = _studies_plan(tmp_path / "fresh", studies=["block_score", "pool_size"])
+    restored = long_context_studies.restore(fresh, combined)
+    assert restored == ["ratio16-max", "ratio16-mean", "ratio16-dense"]
+    assert all(fresh.phase_done(P(16, v)) for v in ("max", "mean", "dense"))
+    again = long_context_studies.block_score_report(fresh, 16)
+    assert again["results"] == report["results"] and again["config"]["commit"] == ["c"]
+    assert long_context_studies.restore(fresh, combined) == []  # already there: left alone
+    with pytest.raises(ValueError, match="--restore: expected a combined report of"):
+        long_context_studies.restore(fresh, plan.report_path(P(16, "max")))
+
 
 def test_long_context_studies_kv_smoke_trains_from_the_f32_prefix_and_resumes(tmp_path, capsys):
     out, work = tmp_path / "out", tmp_path / "work"
