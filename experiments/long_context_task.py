@@ -122,13 +122,15 @@ def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
 
 
 def _stage_record(name: str, cfg: train.TrainConfig, run_dir: Path, result: dict) -> dict:
+    # A seed the guard stopped within its first steps may have no records yet.
+    metrics = run_dir / "metrics.jsonl"
     return {
         "stage": name,
         "run_dir": str(run_dir),
         "train_config": cfg.to_json(),
         "done": result["step"] == cfg.steps or bool(result.get("converged")),
         "summary": result,
-        "history": train.read_metrics(run_dir / "metrics.jsonl"),
+        "history": train.read_metrics(metrics) if metrics.exists() else [],
     }
 
 

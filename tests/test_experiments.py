@@ -333,6 +333,13 @@ def test_long_context_task_stages_stop_on_the_convergence_rule(tmp_path):
     assert all(s["done"] and s["summary"]["step"] < 50 for s in report["stages"])
 
 
+def test_a_stage_record_of_a_seed_stopped_before_its_first_record_has_no_history(tmp_path):
+    # The guard can stop a seed after one step, before metrics.jsonl exists (H200, 2026-12-01).
+    cfg = train.make_config(preset="tiny")
+    record = long_context_task._stage_record("long", cfg, tmp_path, {"step": 1})
+    assert record["history"] == [] and not record["done"]
+
+
 def test_wilson_interval():
     lo, hi = long_context_task.wilson(0.5, 100)
     assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
