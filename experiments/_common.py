@@ -208,8 +208,10 @@ def train_seeds(cfgs: Sequence[train.TrainConfig], run_dir: Path, args) -> list[
 
 def steps_to(run_dir: Path, threshold: float) -> int | None:
     """The first evaluation step of `run_dir` whose accuracy is >= `threshold` (None if none):
-    steps-to-threshold, as precise as the run's `eval_every`."""
-    for record in train.read_metrics(Path(run_dir) / "metrics.jsonl"):
+    steps-to-threshold, as precise as the run's `eval_every`. A run the guard stopped before
+    its first record has no metrics.jsonl: None."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    for record in train.read_metrics(metrics) if metrics.exists() else []:
         if record["split"] == "eval" and record["accuracy"] >= threshold:
             return record["step"]
     return None

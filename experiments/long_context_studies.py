@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -250,6 +251,18 @@ class Plan:
             r.get("stopped_early") for r in records
         )
 
+    def prefix_instance(self, kv_format: str | None) -> str:
+        """Which training of the prefix this is: a hash of its seeds' final 4 K losses. GPU
+        training is not bit-reproducible (scatter-adds), so a prefix trained again on a fresh
+        machine is another instance; paired differences are only paired within one."""
+        stages = json.loads(self.prefix_report(kv_format).read_text())["stages"]
+        losses = [(s["train_config"]["seed"], s["summary"]["task_loss"]) for s in stages if
+                  s["stage"] == "long"]  # fmt: skip
+        return hashlib.sha1(json.dumps(sorted(losses)).encode()).hexdigest()[:10]
+
+    def instance_path(self, phase: Phase) -> Path:
+        return self.report_path(phase).parent / "prefix_instance.json"
+
     def extras_path(self, phase: Phase) -> Path:
         return self.report_path(phase).parent / "after_phase.json"
 
@@ -368,7 +381,8 @@ def restore(plan: Plan, combined: Path) -> list[str]:
         if phase is None or plan.phase_report(phase) is not None:
             continue
         own = dict(config, argv=argv, restored_from=str(combined))
-        for key in ("phases", "plan", "partial", "variants"):
+        own["prefix_instance"] = config.get("prefix_instances", {}).get(name)
+        for key in ("phases", "plan", "partial", "variants", "prefix_instances"):
             own.pop(key, None)
         path = plan.report_path(phase)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -398,6 +412,14 @@ def _combined(plan: Plan, phases: Sequence[Phase], experiment: str, **fields) ->
     config["plan"] = f"experiments/{NAME}.py"
     config["partial"] = not all(plan.phase_done(p) for p in phases)
     config |= fields
+    config["prefix_instances"] = {
+        p.name: (
+            json.loads(plan.instance_path(p).read_text())
+            if plan.instance_path(p).exists()
+            else rep["config"].get("prefix_instance")
+        )
+        for p, rep in found
+    }
     records = []
     for phase, report in found:
         path = plan.extras_path(phase)
@@ -584,6 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{phase.name}: not started, the guard is nearly spent", flush=True)
             break
         print(f"== {phase.name}", flush=True)
+        plan.instance_path(phase).parent.mkdir(parents=True, exist_ok=True)
+        plan.instance_path(phase).write_text(json.dumps(plan.prefix_instance(phase.prefix_kv)))
         if phase.variant == "ptq":
             run_ptq(plan, phase)
         else:

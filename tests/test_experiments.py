@@ -338,6 +338,7 @@ def test_a_stage_record_of_a_seed_stopped_before_its_first_record_has_no_history
     cfg = train.make_config(preset="tiny")
     record = long_context_task._stage_record("long", cfg, tmp_path, {"step": 1})
     assert record["history"] == [] and not record["done"]
+    assert _common.steps_to(tmp_path, 0.9) is None  # the block-score phases read it too
 
 
 def test_wilson_interval():
@@ -432,6 +433,7 @@ def test_long_context_studies_combine_the_phases_into_each_studys_report(tmp_pat
     assert all(fresh.phase_done(P(16, v)) for v in ("max", "mean", "dense"))
     again = long_context_studies.block_score_report(fresh, 16)
     assert again["results"] == report["results"] and again["config"]["commit"] == ["c"]
+    assert again["config"]["prefix_instances"] == report["config"]["prefix_instances"]
     assert long_context_studies.restore(fresh, combined) == []  # already there: left alone
     with pytest.raises(ValueError, match="--restore: expected a combined report of"):
         long_context_studies.restore(fresh, plan.report_path(P(16, "max")))
@@ -464,6 +466,10 @@ def test_long_context_studies_kv_smoke_trains_from_the_f32_prefix_and_resumes(tm
     # ... and every trained record its accuracy with a pool of one block.
     assert all(0 <= by_variant[v]["pool1_accuracy"] <= 1 for v in ("f32", "qat/mxfp4"))
     assert "pool1_accuracy" in report["summary"]["f32"]
+    # Every phase names the prefix instance it started from: here one for all.
+    instances = report["config"]["prefix_instances"]
+    assert set(instances) == {"ratio16-max-kvf32", "ratio16-ptq-kvf32", "ratio16-max-kvmxfp4"}
+    assert len(set(instances.values())) == 1 and None not in instances.values()
     # PTQ reads the f32 run's final weights.
     assert by_variant["ptq/mxfp4"]["run_dir"] == by_variant["f32"]["run_dir"]
     assert by_variant["ptq/mxfp4"]["step"] == by_variant["f32"]["step"]
