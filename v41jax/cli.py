@@ -467,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_mesh_shape,
         metavar="data=N[,context=M]",
         help="train over N×M devices: each batch split over N (data parallel), each sequence "
-        "into M contiguous slices (context parallel: seq_len a multiple of M × window_size, "
-        "query_chunk 0); the state replicated",
+        "into M contiguous slices (context parallel: seq_len a multiple of M × window_size); "
+        "the state replicated",
     )
     train_parser.add_argument(
         "--converge-accuracy",

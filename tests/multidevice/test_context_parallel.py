@@ -56,14 +56,37 @@ def _loss_and_grads(cfg, mesh, *, dense=False):
     return float(value), {p: np.asarray(v.get_value()) for p, v in flat}
 
 
+def _chunked(cfg, query_chunk):
+    return cfg.replace(model_overrides={**dict(cfg.model_overrides), "query_chunk": query_chunk})
+
+
 @pytest.mark.parametrize(
-    ("mesh_name", "cfg", "dense"),
-    [("1x8", RATIO2, False), ("1x8", RATIO2, True), ("2x4", CP, False)],
-    ids=["1x8-ratio2-sparse", "1x8-ratio2-dense", "2x4-ratio1-sparse"],
+    ("mesh_name", "cfg", "dense", "query_chunk"),
+    [
+        ("1x8", RATIO2, False, 0),
+        ("1x8", RATIO2, True, 0),
+        ("2x4", CP, False, 0),
+        # Chunked: each device loops over its own slice (8 or 16 queries) in chunks of 3 or 6,
+        # the last one padded; against the one-device whole-sequence pass.
+        ("1x8", RATIO2, False, 3),
+        ("2x4", CP, False, 6),
+        ("2x4", RATIO2, True, 6),
+    ],
+    ids=[
+        "1x8-ratio2-sparse",
+        "1x8-ratio2-dense",
+        "2x4-ratio1-sparse",
+        "1x8-ratio2-sparse-chunk3",
+        "2x4-ratio1-sparse-chunk6",
+        "2x4-ratio2-dense-chunk6",
+    ],
 )
-def test_a_context_parallel_gradient_equals_the_one_device_gradient(mesh_name, cfg, dense):
+def test_a_context_parallel_gradient_equals_the_one_device_gradient(
+    mesh_name, cfg, dense, query_chunk
+):
     want_loss, want = _loss_and_grads(cfg, None, dense=dense)
-    got_loss, got = _loss_and_grads(cfg, train.make_mesh(MESHES[mesh_name]), dense=dense)
+    mesh = train.make_mesh(MESHES[mesh_name])
+    got_loss, got = _loss_and_grads(_chunked(cfg, query_chunk), mesh, dense=dense)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     scale = max(np.abs(g).max() for g in want.values())
     assert got.keys() == want.keys()
@@ -114,14 +137,11 @@ def test_meshes_context_parallelism_cannot_use_are_refused():
     mesh = train.make_mesh({"context": 8})
     with pytest.raises(ValueError, match=r"task seq_len: expected a multiple of context × window"):
         train.check_mesh(mesh, CFG)  # 64 tokens: slices of 8 under tiny()'s window of 32
-    chunked = CP.replace(model_overrides={**dict(CP.model_overrides), "query_chunk": 16})
-    with pytest.raises(ValueError, match=r"ModelConfig.query_chunk: expected 0 with context=8"):
-        train.run(chunked, "unused", mesh=mesh)
 
 
-def _compiled_step(mesh):
-    model, _ = train.build(CP)
-    b = CP.make_task().batch_at(CP.seed, 0, CP.batch_size)
+def _compiled_step(mesh, cfg=CP):
+    model, _ = train.build(cfg)
+    b = cfg.make_task().batch_at(cfg.seed, 0, cfg.batch_size)
     batch = tuple(jnp.asarray(x) for x in (b.tokens, b.targets, b.loss_mask))
     graphdef, state = nnx.split(model)
 
@@ -138,12 +158,14 @@ def _compiled_step(mesh):
         return jax.jit(loss_and_grads).lower(state, *batch).compile()
 
 
-def test_a_context_parallel_step_gathers_the_compressed_rows_not_the_query_rows():
+@pytest.mark.parametrize("query_chunk", [0, 4], ids=["whole", "chunk4"])
+def test_a_context_parallel_step_gathers_the_compressed_rows_not_the_query_rows(query_chunk):
     """What the devices exchange: the compressed KV and index keys (and their gradients), O(S·d)
-    values each; never an array of all queries × all positions ([B, T, S]: scores, masks,
-    probabilities), which would make the exchange grow with T·S. And each device's working
-    memory is a fraction of the one-device step's."""
-    compiled = _compiled_step(train.make_mesh({"context": 8}))
+    values each (chunked, the window rows too: O(T·d)); never an array of all queries × all
+    positions ([B, T, S]: scores, masks, probabilities), which would make the exchange grow with
+    T·S. And each device's working memory is a fraction of the one-device step's."""
+    cfg = _chunked(CP, query_chunk)
+    compiled = _compiled_step(train.make_mesh({"context": 8}), cfg)
     text = compiled.as_text()
     b, t = CP.batch_size, CP.make_task().seq_len
     s = t // min(r for r in CP.model_config().compress_ratios if r)
@@ -153,6 +175,6 @@ def test_a_context_parallel_step_gathers_the_compressed_rows_not_the_query_rows(
     ]
     assert gathered, "expected the compressed KV to be all-gathered"
     assert max(gathered) < b * t * s, sorted(gathered)
-    alone = _compiled_step(None).memory_analysis().temp_size_in_bytes
+    alone = _compiled_step(None, cfg).memory_analysis().temp_size_in_bytes
     split = compiled.memory_analysis().temp_size_in_bytes
     assert split * 4 < alone, (split, alone)  # 8 devices: about 1/8 measured

@@ -32,7 +32,7 @@ from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.nn.indexer import Indexer, indexer_kl
 from v41jax.nn.rope import apply_rope
 from v41jax.nn.selection import SharedState, attended_indices, select, select_chunk
-from v41jax.nn.sharding import rowwise, split_sequence, whole_sequence
+from v41jax.nn.sharding import CONTEXT, context_mesh, rowwise, split_sequence, whole_sequence
 from v41jax.ops import formats
 from v41jax.ops.attention import chunk_attention, masked_attention, sliding_window_rows
 from v41jax.ops.pool import CandidatePool
@@ -205,15 +205,31 @@ class Attention(nnx.Module):
         attention, O(chunk·(W + k)) otherwise; the published state holds top-k and pool block
         ids [B, T, ·] (the pool's mask is None). A last partial chunk is padded with queries
         past the end whose results are dropped (and kept out of the KL loss).
+
+        Under context parallelism (`sharding`: the sequence split into N contiguous slices)
+        each device loops over its own slice: step i takes the i-th chunk of every slice, N
+        chunks side by side on the 'context' axis (each slice padded on its own), the
+        selection runs per device (`rowwise`), and the window rows are gathered from the
+        whole window (one all-gather of T rows per layer). With N = 1 this is the chunking
+        above.
         """
         c, plan = self.config, self.plan
         batch, seq, _ = x.shape
-        chunk = min(c.query_chunk, seq)
-        n_chunks = -(-seq // chunk)
+        mesh = context_mesh()
+        n_split = 1 if mesh is None else mesh.shape[CONTEXT]
+        if seq % n_split:
+            raise ValueError(
+                f"x: expected a sequence length divisible by the mesh's context={n_split}, "
+                f"got {seq}"
+            )
+        local = seq // n_split  # each device's slice
+        chunk = min(c.query_chunk, local)
+        n_chunks = -(-local // chunk)
         padded = n_chunks * chunk
+        step_rows = n_split * chunk  # the queries of one step, over all devices
         positions = jnp.arange(seq)
         qr, q = self._queries(x, positions)
-        window = self._window_kv(x, positions)
+        window = whole_sequence(self._window_kv(x, positions))
         shared = self._publish_compressed(x, shared)
         kv, index_k, sink = shared.kv, shared.index_k, self.sink[...]
         n_kv, ratio = kv.shape[1], plan.compress_ratio
@@ -221,16 +237,32 @@ class Attention(nnx.Module):
         score_dtype = c.index_score_dtype
         attends_all = dense or plan.topk_source is None
 
-        def chunked(a, fill):  # [B, T, ...] -> [n_chunks, B, chunk, ...]
+        def chunked(a, fill):  # [B, T, ...] -> [n_chunks, B, n_split · chunk, ...]
+            tail = a.shape[2:]
+            a = a.reshape(batch, n_split, local, *tail)
             a = jnp.pad(
-                a, ((0, 0), (0, padded - seq)) + ((0, 0),) * (a.ndim - 2), constant_values=fill
-            )
-            return jnp.moveaxis(a.reshape(batch, n_chunks, chunk, *a.shape[2:]), 1, 0)
+                a, ((0, 0), (0, 0), (0, padded - local)) + ((0, 0),) * len(tail),
+                constant_values=fill,
+            )  # fmt: skip
+            a = jnp.moveaxis(a.reshape(batch, n_split, n_chunks, chunk, *tail), 2, 0)
+            return a.reshape(n_chunks, batch, step_rows, *tail)
 
-        def whole(a):  # [n_chunks, B, chunk, ...] -> [B, T, ...]
-            return jnp.moveaxis(a, 0, 1).reshape(batch, padded, *a.shape[3:])[:, :seq]
+        def whole(a):  # [n_chunks, B, n_split · chunk, ...] -> [B, T, ...]
+            tail = a.shape[3:]
+            a = jnp.moveaxis(a.reshape(n_chunks, batch, n_split, chunk, *tail), 0, 2)
+            a = a.reshape(batch, n_split, padded, *tail)[:, :, :local]
+            return split_sequence(a.reshape(batch, seq, *tail))
 
-        xs = {"q": chunked(q, 0.0), "positions": jnp.arange(padded).reshape(n_chunks, chunk)}
+        # Step i's queries: offset i·chunk + r of every slice (r < chunk), real where inside it.
+        offsets = jnp.arange(n_chunks)[:, None, None] * chunk + jnp.arange(chunk)
+        starts = jnp.arange(n_split)[:, None] * local
+        xs = {
+            "q": chunked(q, 0.0),
+            "positions": (starts + offsets).reshape(n_chunks, step_rows),
+            "real": jnp.broadcast_to(offsets < local, (n_chunks, n_split, chunk)).reshape(
+                n_chunks, step_rows
+            ),
+        }
         if scans:
             index_q, index_w = self.indexer.queries(
                 jax.lax.stop_gradient(qr), jax.lax.stop_gradient(x), positions
@@ -243,13 +275,17 @@ class Attention(nnx.Module):
 
         def one_chunk(xs):
             pos = xs["positions"]
-            lens = jnp.broadcast_to(jnp.minimum((pos + 1) // ratio, n_kv), (batch, chunk))
-            real = jnp.broadcast_to(pos < seq, (batch, chunk))
+            lens = split_sequence(
+                jnp.broadcast_to(jnp.minimum((pos + 1) // ratio, n_kv), (batch, step_rows))
+            )
+            real = jnp.broadcast_to(xs["real"], (batch, step_rows))
             outs = {}
             if scans:
-                picks = select_chunk(
-                    c, plan, xs["index_q"], xs["index_w"], lens, index_k, xs.get("pool")
-                )
+                picks = rowwise(
+                    lambda q, w, n, pool, keys: select_chunk(c, plan, q, w, n, keys, pool),
+                    xs["index_q"], xs["index_w"], lens, xs.get("pool"),
+                    whole=(index_k,),
+                )  # fmt: skip
                 outs["topk"] = topk = checkpoint_name(picks.topk, "selection")
                 if picks.block_ids is not None:
                     outs["pool"] = checkpoint_name(picks.block_ids, "selection")

@@ -56,15 +56,19 @@ def whole_sequence(x: jax.Array) -> jax.Array:
     return _constrain(x, None)
 
 
-def rowwise(fn, *args):
-    """`fn(*args)` for arrays laid out [B, T, ...] whose rows (queries) are independent, run on
-    each device's own rows under context parallelism (`jax.shard_map`), else as is.
+def rowwise(fn, *args, whole=()):
+    """`fn(*args, *whole)` for arrays `args` laid out [B, T, ...] whose rows (queries) are
+    independent, run on each device's own rows under context parallelism (`jax.shard_map`),
+    else as is; `whole` are arrays [B, S, ...] every device reads in full (keys), and an arg
+    may be None.
 
     For the selections (top-k of the scores, the candidate pool): XLA partitions a sort along
     the split rows, but not `lax.top_k`, which it would run on all-gathered [B, T, S] scores.
     The result is the same either way; only where it is computed differs."""
     mesh = context_mesh()
     if mesh is None:
-        return fn(*args)
-    spec = PartitionSpec(DATA if DATA in mesh.axis_names else None, CONTEXT)
-    return jax.shard_map(fn, in_specs=(spec,) * len(args), out_specs=spec)(*args)
+        return fn(*args, *whole)
+    data = DATA if DATA in mesh.axis_names else None
+    rows, keys = PartitionSpec(data, CONTEXT), PartitionSpec(data)
+    specs = (rows,) * len(args) + (keys,) * len(whole)
+    return jax.shard_map(fn, in_specs=specs, out_specs=rows)(*args, *whole)

@@ -434,8 +434,8 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
 def check_mesh(mesh: Mesh | None, cfg: TrainConfig | None = None) -> Mesh | None:
     """`mesh` if the trainer can use it for `cfg` (when given), else ValueError: axes
     `MESH_AXES`; the batch a multiple of 'data'; with 'context' > 1, the sequence a multiple of
-    context × window_size and the unchunked attention (`ModelConfig.query_chunk` 0: the
-    chunked pass loops over the sequence, which context parallelism splits)."""
+    context × window_size (the chunked attention, `ModelConfig.query_chunk`, loops over each
+    device's own slice)."""
     if mesh is None:
         return None
     if tuple(mesh.axis_names) != MESH_AXES:
@@ -459,12 +459,6 @@ def check_mesh(mesh: Mesh | None, cfg: TrainConfig | None = None) -> Mesh | None
                 f"task seq_len: expected a multiple of context × window_size = {n_context} × "
                 f"{window} = {n_context * window} (each device holds whole windows), got "
                 f"{seq_len}"
-            )
-        if cfg.model_config().query_chunk:
-            raise ValueError(
-                f"ModelConfig.query_chunk: expected 0 with context={n_context} (the chunked "
-                "attention is not built for split sequences; each device already holds "
-                f"seq_len/context queries), got {cfg.model_config().query_chunk}"
             )
     return mesh
 
