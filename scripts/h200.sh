@@ -4,6 +4,7 @@
 #   bash scripts/h200.sh            # everything, results under $OUT
 #   bash scripts/h200.sh tests      # one stage: tests | bench | throughput | learning | ablations
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
+#   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder the results go to}
@@ -47,5 +48,21 @@ if [[ $stage == ablations ]]; then
       --runs-dir runs/h200/$study 2>&1 | grep --line-buffered -v "it/s" | tee "$OUT/$study.log" \
       || status=1
   done
+fi
+if [[ $stage == studies ]]; then
+  # experiments/long_context_studies.py for MAX_MINUTES (a guard; the plan resumes): call it
+  # again right away (the machine keeps runs/ while warm). A fresh machine trains the prefix
+  # again and counts the committed reports' phases as done (--restore). What comes back is two
+  # files: studies.tgz (the combined reports, figures and the log) and jax_cache.tgz (the
+  # compilation cache; unpacked here as runs/jax_cache and carried to the next machine, it
+  # saves the compiles, about a minute a program, while the code is unchanged).
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=runs/jax_cache
+  mkdir -p "$OUT/studies"
+  "$PY" experiments/long_context_studies.py --study ${STUDY:-block_score} \
+    --restore experiments/results/block_score_4k_ratio*_h200_*.json \
+    --max-minutes ${MAX_MINUTES:-8.5} --out-dir "$OUT/studies" ${STUDY_ARGS:-} 2>&1 \
+    | grep --line-buffered -v "it/s" | tee "$OUT/studies/log.txt" || status=1
+  tar czf "$OUT/studies.tgz" -C "$OUT" studies && rm -r "$OUT/studies"
+  if [[ -d runs/jax_cache ]]; then tar czf "$OUT/jax_cache.tgz" -C runs jax_cache; fi
 fi
 exit $status
