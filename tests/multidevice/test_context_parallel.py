@@ -69,7 +69,6 @@ def _chunked(cfg, query_chunk):
         # Chunked: each device loops over its own slice (8 or 16 queries) in chunks of 3 or 6,
         # the last one padded; against the one-device whole-sequence pass.
         ("1x8", RATIO2, False, 3),
-        ("2x4", CP, False, 6),
         ("2x4", RATIO2, True, 6),
     ],
     ids=[
@@ -77,7 +76,6 @@ def _chunked(cfg, query_chunk):
         "1x8-ratio2-dense",
         "2x4-ratio1-sparse",
         "1x8-ratio2-sparse-chunk3",
-        "2x4-ratio1-sparse-chunk6",
         "2x4-ratio2-dense-chunk6",
     ],
 )
