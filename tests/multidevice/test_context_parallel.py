@@ -173,6 +173,11 @@ def test_a_context_parallel_step_gathers_the_compressed_rows_not_the_query_rows(
     ]
     assert gathered, "expected the compressed KV to be all-gathered"
     assert max(gathered) < b * t * s, sorted(gathered)
+    # Two arrays are gathered whole, the main KV and the index keys of the one source each;
+    # the window reaches a device as a halo of its W − 1 preceding rows.
+    assert len(gathered) == 2, sorted(gathered)
+    halo = CP.model_config().window_size - 1
+    assert re.search(rf"= \w+\[{b},{halo}(,\d+)*\]\{{[\d,]*\}} collective-permute", text)
     alone = _compiled_step(None, cfg).memory_analysis().temp_size_in_bytes
     split = compiled.memory_analysis().temp_size_in_bytes
     assert split * 4 < alone, (split, alone)  # 8 devices: about 1/8 measured

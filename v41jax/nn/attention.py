@@ -32,9 +32,16 @@ from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.nn.indexer import Indexer, indexer_kl
 from v41jax.nn.rope import apply_rope
 from v41jax.nn.selection import SharedState, attended_indices, select, select_chunk
-from v41jax.nn.sharding import CONTEXT, context_mesh, rowwise, split_sequence, whole_sequence
+from v41jax.nn.sharding import (
+    CONTEXT,
+    context_mesh,
+    rowwise,
+    split_sequence,
+    whole_sequence,
+    window_rows,
+)
 from v41jax.ops import formats
-from v41jax.ops.attention import chunk_attention, masked_attention, sliding_window_rows
+from v41jax.ops.attention import chunk_attention, masked_attention
 from v41jax.ops.pool import CandidatePool
 from v41jax.ops.scoring import (
     gather_rows,
@@ -209,9 +216,9 @@ class Attention(nnx.Module):
         Under context parallelism (`sharding`: the sequence split into N contiguous slices)
         each device loops over its own slice: step i takes the i-th chunk of every slice, N
         chunks side by side on the 'context' axis (each slice padded on its own), the
-        selection runs per device (`rowwise`), and the window rows are gathered from the
-        whole window (one all-gather of T rows per layer). With N = 1 this is the chunking
-        above.
+        selection runs per device (`rowwise`), and each device gathers its window rows from its
+        slice and the W − 1 rows before it (`window_rows`: a halo from its neighbour). With
+        N = 1 this is the chunking above.
         """
         c, plan = self.config, self.plan
         batch, seq, _ = x.shape
@@ -229,7 +236,7 @@ class Attention(nnx.Module):
         step_rows = n_split * chunk  # the queries of one step, over all devices
         positions = jnp.arange(seq)
         qr, q = self._queries(x, positions)
-        window = whole_sequence(self._window_kv(x, positions))
+        window = self._window_kv(x, positions)
         shared = self._publish_compressed(x, shared)
         kv, index_k, sink = shared.kv, shared.index_k, self.sink[...]
         n_kv, ratio = kv.shape[1], plan.compress_ratio
@@ -291,7 +298,7 @@ class Attention(nnx.Module):
                     outs["pool"] = checkpoint_name(picks.block_ids, "selection")
             else:
                 topk = xs.get("topk")
-            rows, rows_valid = sliding_window_rows(window, c.window_size, pos)
+            rows, rows_valid = window_rows(window, c.window_size, pos)
             visible = jnp.arange(n_kv) < lens[..., None]
             if attends_all:
                 result = chunk_attention(xs["q"], rows, rows_valid, kv, sink, key_mask=visible)

@@ -9,6 +9,9 @@ constraints fix the layout at the points that decide what devices exchange:
   - the compressed main KV and the index keys [B, S, d] (`whole_sequence`): whole on every
     device, one all-gather per KV source of S·d values (V4.1's MXFP4 index keys are 68 bytes a
     position), which the local queries score and attend to.
+  - the sliding window: each device reads its own slice and the W − 1 rows before it, a halo
+    from its left neighbour (XLA's partition of the whole-sequence pass; `window_rows` in the
+    chunked one).
 The attention computes masked entries too (no causal skipping), so contiguous slices give every
 device the same work: no load-balancing permutation is needed.
 
@@ -18,7 +21,10 @@ Without such a mesh the constraints do nothing: one-device code is unchanged.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+
+from v41jax.ops.attention import sliding_window_rows
 
 DATA = "data"
 """The mesh axis that splits the batch."""
@@ -72,3 +78,37 @@ def rowwise(fn, *args, whole=()):
     rows, keys = PartitionSpec(data, CONTEXT), PartitionSpec(data)
     specs = (rows,) * len(args) + (keys,) * len(whole)
     return jax.shard_map(fn, in_specs=specs, out_specs=rows)(*args, *whole)
+
+
+def window_rows(window: jax.Array, window_size: int, positions: jax.Array):
+    """`ops.attention.sliding_window_rows(window, window_size, positions)`: the window rows of
+    the queries at `positions` [R]. Under context parallelism `window` [B, T, ...] is split
+    over 'context' and `positions` holds each device's queries in device order (its own slice,
+    or past its end for padding rows whose results are dropped): each device gathers from its
+    own slice and the W − 1 rows before it, sent by its left neighbour (`lax.ppermute`, a
+    halo), never the whole window."""
+    mesh = context_mesh()
+    if mesh is None:
+        return sliding_window_rows(window, window_size, positions)
+    n, seq = mesh.shape[CONTEXT], window.shape[1]
+    local, halo = seq // n, window_size - 1
+    if halo > local:
+        raise ValueError(
+            f"window: expected slices of at least window_size − 1 = {halo} positions, got "
+            f"{local} ({seq} over context={n})"
+        )
+    data = DATA if DATA in mesh.axis_names else None
+
+    def rows_of(w, pos):
+        first = jax.lax.axis_index(CONTEXT) * local - halo  # the position of ext's row 0
+        before = jax.lax.ppermute(w[:, local - halo :], CONTEXT, [(i, i + 1) for i in range(n - 1)])
+        ext = jnp.concatenate([before, w], axis=1)  # device 0 receives zeros: positions < 0
+        window_pos = pos[:, None] + jnp.arange(window_size) - halo
+        rows = ext[:, jnp.clip(window_pos - first, 0, local + halo - 1)]
+        valid = (window_pos >= 0) & (window_pos < seq)
+        return rows, jnp.broadcast_to(valid, (w.shape[0], *valid.shape))
+
+    split = PartitionSpec(data, CONTEXT)
+    return jax.shard_map(
+        rows_of, in_specs=(split, PartitionSpec(CONTEXT)), out_specs=(split, split)
+    )(window, positions)
