@@ -1,4 +1,5 @@
-"""The sequence-sharded candidate pool equals the unsharded one bit for bit (issue 15).
+"""The sequence-sharded candidate pool, and the candidate source's own top-k, equal the
+unsharded ones bit for bit (issue 15).
 
 Runs on 8 devices: `tests/test_multidevice.py` starts it with JAX_NUM_CPU_DEVICES=8 (8 simulated
 CPU devices); on a machine with 8 accelerators it runs as it is.
@@ -11,8 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from v41jax.ops.pool import BLOCK_REDUCERS, select_candidate_blocks, sharded_candidate_blocks
-from v41jax.ops.scoring import TIE_ORDERS
+from v41jax.ops.pool import (
+    BLOCK_REDUCERS,
+    select_candidate_blocks,
+    sharded_candidate_blocks,
+    sharded_topk,
+)
+from v41jax.ops.scoring import TIE_ORDERS, topk
 
 if jax.device_count() < 8:
     pytest.skip(
@@ -103,3 +109,36 @@ def test_sharded_pool_names_what_does_not_fit():
         sharded_candidate_blocks(
             np.zeros((3, 32), np.float32), [1, 2, 3], 2, 2, mesh=mesh, axis=axis, batch_axis=rows
         )
+
+
+SHARDED_TOPK = jax.jit(
+    sharded_topk, static_argnames=("k", "mesh", "axis", "batch_axis", "tie_order")
+)
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_sharded_source_topk_is_the_topk_bit_for_bit(mesh_name):
+    """The candidate source's own top-k over every position: picks and scores as `topk`'s,
+    through ties (±0 among them), −inf, NaN, +inf, more picks than a device holds and than
+    there are positions."""
+    mesh, axis, rows = _mesh(mesh_name)
+    rng = np.random.default_rng(abs(hash(("topk", mesh_name))) % 2**32)
+    for per_device, k, tie_order in itertools.product((1, 5, 12), (0, 1, 7, 40), TIE_ORDERS):
+        n_pos = per_device * mesh.shape[axis]
+        scores, lens = _scores(rng, 8, n_pos, 1)
+        scores = np.where(np.arange(n_pos) < lens[:, None], scores, -np.inf).astype(np.float32)
+        want = topk(scores, k, tie_order=tie_order)
+        got = SHARDED_TOPK(
+            scores, k=k, mesh=mesh, axis=axis, batch_axis=rows, tie_order=tie_order
+        )
+        case = f"{per_device=} {k=} {tie_order=}"
+        np.testing.assert_array_equal(got.indices, want.indices, err_msg=case)
+        np.testing.assert_array_equal(got.scores, want.scores, err_msg=case)
+
+
+def test_sharded_source_topk_names_what_does_not_fit():
+    mesh, axis, _ = _mesh("2x4")
+    with pytest.raises(ValueError, match=r"scores: expected n_pos to split .* 4\), got 6"):
+        sharded_topk(np.zeros((2, 6), np.float32), 2, mesh=mesh, axis=axis)
+    with pytest.raises(ValueError, match=r"scores: expected shape \[B, n_pos\]"):
+        sharded_topk(np.zeros((8,), np.float32), 2, mesh=mesh, axis=axis)

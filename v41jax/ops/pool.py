@@ -14,8 +14,9 @@ At decode a Reindex layer reads only the pool's packed index-key rows (DESIGN §
 every position, mask outside the pool), which selects the same positions.
 
 A sequence-sharded cache (issue 15, DESIGN §8) has the same pool and picks, bit for bit:
-`sharded_candidate_blocks` and `sharded_pooled_topk` split the positions over a mesh axis, take
-a local top-k of (score, global id) per device and merge the all-gathered pairs.
+`sharded_candidate_blocks`, `sharded_topk` (the candidate source's own top-k) and
+`sharded_pooled_topk` split the positions over a mesh axis, take a local top-k of (score,
+global id) per device and merge the all-gathered pairs.
 
 The numerics switches of `scoring` reach every function here as keywords (defaults: the project's
 rules): `score_dtype` the scores, `tie_order` every selection (blocks and positions), and
@@ -351,6 +352,73 @@ def sharded_candidate_blocks(
     block_ids = _merge_gathered_topk(values, ids, topk_blocks, tie_order).indices
     mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lens)
     return CandidatePool(mask, block_ids)
+
+
+def sharded_topk(
+    scores: Float[Array, "batch n_pos"],
+    k: int,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis: str,
+    batch_axis: str | None = None,
+    tie_order: str = "oldest",
+) -> TopK:
+    """`scoring.topk(scores, k, tie_order=...)` (no mask: the candidate source's own top-k over
+    every position) with the positions sharded over the mesh axis `axis`: the same picks and
+    scores, bit for bit (ties, −inf, NaN and ±0 included), for a sequence-sharded cache
+    (issue 15).
+
+    Each device ranks its own positions as `topk` does (NaN and −inf never picked, −0.0 ties
+    +0.0, `tie_order` among equal scores) and keeps its best k as (score, global position)
+    pairs; an all-gather over `axis` and the merge (`_merge_gathered_topk`) rank them by the
+    same total order. A position of the global top k is in its own device's top k, so the merge
+    sees every pick it needs: per row, devices exchange 8 bytes × k × the number of devices.
+
+    Args:
+      scores: [B, n_pos] float scores; n_pos must split into equal slices over `axis`.
+      k: picks per row (as `topk`: may exceed n_pos, up to `MAX_PADDED_K`).
+      mesh: the device mesh; axis: its axis the positions are sharded over; batch_axis: an
+        optional mesh axis the rows are sharded over (B divisible by its size).
+      tie_order: 'oldest' | 'newest' (`TIE_ORDERS`).
+
+    Returns:
+      `TopK(indices [B, k] int32 positions ascending then −1, scores [B, k] float32)`, equal to
+      `topk(scores, k, tie_order=tie_order)`.
+    """
+    scores = jnp.asarray(scores)
+    require_dtype("scores", scores, "floating")
+    if scores.ndim != 2:
+        raise ValueError(f"scores: expected shape [B, n_pos], got {scores.shape}")
+    k = require_nonnegative_int("k", k)
+    tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
+    batch, n_pos = scores.shape
+    if k > max(n_pos, MAX_PADDED_K):
+        raise ValueError(f"k: expected at most max(n_pos={n_pos}, {MAX_PADDED_K}) picks, got {k}")
+    n_local = check_sequence_sharding("scores", "n_pos", scores.shape, 1, mesh, axis, batch_axis)
+    k_local = min(k, n_local)
+
+    def local(scores):
+        scores = scores.astype(jnp.float32)
+        # As `topk`: NaN counts as −inf, −0.0 ties +0.0.
+        scores = jnp.where(jnp.isnan(scores), -jnp.inf, jnp.where(scores == 0, 0.0, scores))
+        values, ids = ranked_topk(scores, k_local, tie_order)
+        ids = ids + lax.axis_index(axis) * n_local
+        return (
+            lax.all_gather(values, axis, axis=1, tiled=True, to="invarying"),
+            lax.all_gather(ids, axis, axis=1, tiled=True, to="invarying"),
+        )
+
+    if k_local and batch:
+        values, ids = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=P(batch_axis, axis),
+            out_specs=(P(batch_axis, None), P(batch_axis, None)),
+        )(scores)
+    else:  # nothing to pick (a zero-size shard_map operand does not compile)
+        values = jnp.zeros((batch, 0), jnp.float32)
+        ids = jnp.zeros((batch, 0), jnp.int32)
+    return _merge_gathered_topk(values, ids, k, tie_order)
 
 
 def pool_mask_from_block_ids(
