@@ -128,9 +128,7 @@ def test_sharded_source_topk_is_the_topk_bit_for_bit(mesh_name):
         scores, lens = _scores(rng, 8, n_pos, 1)
         scores = np.where(np.arange(n_pos) < lens[:, None], scores, -np.inf).astype(np.float32)
         want = topk(scores, k, tie_order=tie_order)
-        got = SHARDED_TOPK(
-            scores, k=k, mesh=mesh, axis=axis, batch_axis=rows, tie_order=tie_order
-        )
+        got = SHARDED_TOPK(scores, k=k, mesh=mesh, axis=axis, batch_axis=rows, tie_order=tie_order)
         case = f"{per_device=} {k=} {tie_order=}"
         np.testing.assert_array_equal(got.indices, want.indices, err_msg=case)
         np.testing.assert_array_equal(got.scores, want.scores, err_msg=case)
