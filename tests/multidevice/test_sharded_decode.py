@@ -249,3 +249,56 @@ def test_sharded_decode_names_what_does_not_fit():
         attention(*(x[:3] for x in args[:5]), args[5], axis=axis, batch_axis=rows)
     with pytest.raises(ValueError, match=r"sink: expected shape \(2,\)"):
         attention(*args[:5], np.zeros(3, np.float32), axis=axis)
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+@pytest.mark.parametrize("formats_", ["f32", "packed"])
+def test_a_model_decodes_from_a_sequence_sharded_cache_as_from_one_device(mesh_name, formats_):
+    """`model.decode_step` on a cache sharded by position (`sharding.shard_cache`, under
+    `jax.set_mesh`): every layer's picks and the pool as on one device, bit for bit, and the
+    logits to float tolerance (the attention's partial softmaxes combine in another order)."""
+    from flax import nnx
+
+    from tests._models import four_layer_f32
+    from v41jax.nn import model
+    from v41jax.nn.sharding import shard_cache
+
+    changes = {} if formats_ == "f32" else dict(kv_format="nvfp4", index_format="mxfp4")
+    cfg = four_layer_f32(**changes)
+    m = model.Model(cfg, rngs=nnx.Rngs(0))
+    mesh, _, _ = _mesh(mesh_name)
+    rng = np.random.default_rng(7)
+    # 64 positions: the ratio-2 layer's 32 entries split over 8 devices, one block of 4 each.
+    tokens = rng.integers(0, cfg.vocab_size, size=(BATCH, 64)).astype(np.int32)
+    lengths = rng.integers(1, 56, size=BATCH).astype(np.int32)
+    lengths[0], lengths[1] = 1, 55  # a sequence of one token and a nearly full one
+    _, cache, _ = model.prefill(m, tokens, lengths, max_len=64)
+    sharded = shard_cache(cache, mesh)
+    assert sharded.layers[1].main_kv.sharding.spec[1] == "context"
+    for step in range(3):
+        token = rng.integers(0, cfg.vocab_size, size=BATCH).astype(np.int32)
+        want_logits, cache, want = model.decode_step(m, token, cache)
+        with jax.set_mesh(mesh):
+            got_logits, sharded, got = model.decode_step(m, token, sharded)
+        for layer in want.topk:
+            np.testing.assert_array_equal(got.topk[layer], want.topk[layer], err_msg=f"{step=}")
+        np.testing.assert_array_equal(got.pool_blocks, want.pool_blocks, err_msg=f"{step=}")
+        scale = float(np.abs(want_logits).max())
+        np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_array_equal(sharded.lengths, cache.lengths)
+
+
+def test_a_sequence_sharded_cache_refuses_the_kernels():
+    from flax import nnx
+
+    from tests._models import four_layer_f32
+    from v41jax.nn import model
+    from v41jax.nn.cache import init_cache
+    from v41jax.nn.sharding import shard_cache
+
+    cfg = four_layer_f32()
+    m = model.Model(cfg, rngs=nnx.Rngs(0))
+    mesh, _, _ = _mesh("8")
+    cache = shard_cache(init_cache(cfg, BATCH, 64), mesh)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"implementation: expected 'xla'"):
+        model.decode_step(m, np.zeros(BATCH, np.int32), cache, implementation="pallas_interpret")

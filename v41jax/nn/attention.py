@@ -34,14 +34,20 @@ from v41jax.nn.rope import apply_rope
 from v41jax.nn.selection import SharedState, attended_indices, select, select_chunk
 from v41jax.nn.sharding import (
     CONTEXT,
+    check_decode_implementation,
     context_mesh,
+    data_axis,
     rowwise,
     split_sequence,
     whole_sequence,
     window_rows,
 )
 from v41jax.ops import formats
-from v41jax.ops.attention import chunk_attention, masked_attention
+from v41jax.ops.attention import (
+    chunk_attention,
+    masked_attention,
+    sharded_packed_sparse_attention,
+)
 from v41jax.ops.pool import CandidatePool
 from v41jax.ops.scoring import (
     gather_rows,
@@ -427,6 +433,8 @@ class Attention(nnx.Module):
         dispatch.check_implementation(implementation, decode=True)
         dispatch.check_kernel_config(self.config, implementation)
         c, plan = self.config, self.plan
+        # A cache sharded by position (`sharding.shard_cache`, under a mesh with 'context' > 1).
+        mesh = check_decode_implementation(implementation)
         qr, q = self._queries(x, positions)
         window_row = formats.pack(self._window_kv(x, positions), c.window_format)
         cache = cache.replace(window=cache_lib.write_ring(cache.window, positions, window_row))
@@ -457,13 +465,30 @@ class Attention(nnx.Module):
                 shared,
                 debug=debug,
                 implementation=implementation,
+                sequence_mesh=mesh,
             )
             kv_packed = shared.kv_packed
             selected = attended_indices(plan, shared, compress_lens[:, None], kv_packed.shape[1])
             selected = selected[:, 0]
-        o = dispatch.attend_packed(
-            c, q, kv_packed, selected, cache.window, window_valid, self.sink[...], implementation
-        )
+        if mesh is not None and plan.role is not Role.WINDOW:
+            o = sharded_packed_sparse_attention(
+                q,
+                kv_packed,
+                selected,
+                cache.window,
+                window_valid,
+                self.sink[...],
+                mesh=mesh,
+                axis=CONTEXT,
+                batch_axis=data_axis(mesh),
+                kv_fmt=c.kv_format,
+                window_fmt=c.window_format,
+            )
+        else:
+            o = dispatch.attend_packed(
+                c, q, kv_packed, selected, cache.window, window_valid, self.sink[...],
+                implementation,
+            )  # fmt: skip
         return self._output(o, positions), shared, cache
 
     def _compress_step(self, x, positions, cache: LayerCache) -> LayerCache:

@@ -22,7 +22,7 @@ from v41jax.nn.cache import Cache
 from v41jax.nn.config import ModelConfig, Role
 from v41jax.nn.dispatch import check_implementation, check_kernel_config
 from v41jax.nn.selection import SharedState
-from v41jax.nn.sharding import split_sequence
+from v41jax.nn.sharding import check_decode_implementation, split_sequence
 from v41jax.ops import check_finite
 
 
@@ -262,6 +262,12 @@ def decode_step(
     more (up to ~0.3 of the logits' RMS measured on a random-initialized model).
     tests/test_decode_kernels.py derives and states the tolerances.
 
+    A cache sharded by position (`sharding.shard_cache`) decodes under `jax.set_mesh(mesh)` of
+    a mesh with a 'context' axis (and optionally 'data'), implementation 'xla': every device
+    selects among the rows it holds and the devices merge (score, id) pairs (the same picks, bit
+    for bit), then attend where the rows live and combine softmax partials (logits equal up to
+    float summation order); tests/multidevice/test_sharded_decode.py.
+
     'pallas_interpret' runs the step op by op, not jitted: the Mosaic GPU interpreter blocks
     XLA:CPU threads in its callbacks, and inside one larger jitted program its kernels can
     deadlock under CPU async dispatch, JAX's default (observed on a 2-core machine; not with
@@ -285,6 +291,7 @@ def decode_step(
                 f"cache.lengths: expected tokens held >= 0, got {int(cache.lengths.min())}"
             )
     check_implementation(implementation, decode=True)
+    check_decode_implementation(implementation)
     check_kernel_config(model.config, implementation)
     interpreted = implementation == "pallas_interpret"
     if debug:

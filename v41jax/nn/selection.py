@@ -30,13 +30,16 @@ from jaxtyping import Array, Float, Int
 from v41jax.nn import dispatch
 from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.nn.indexer import Indexer
-from v41jax.nn.sharding import rowwise, split_sequence
+from v41jax.nn.sharding import CONTEXT, data_axis, rowwise, split_sequence
 from v41jax.ops.invariants import check_scores, check_selection
 from v41jax.ops.pool import (
     CandidatePool,
     pool_positions,
     pool_topk_from_scores,
     select_candidate_blocks,
+    sharded_candidate_blocks,
+    sharded_pooled_topk,
+    sharded_topk,
 )
 from v41jax.ops.scoring import gather_rows, index_scores, index_scores_at, topk_indices
 
@@ -78,6 +81,7 @@ def select(
     *,
     debug: bool = False,
     implementation: str = "xla",
+    sequence_mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[SharedState, Float[Array, "b t s"] | None]:
     """Scores, candidate pool and top-k of an index source; other roles return `shared` as is.
 
@@ -89,6 +93,12 @@ def select(
     (`dispatch.pooled_topk`), which keeps `topk_indices`' rules (the config's tie order and −inf
     picks, positions ≥ compress_lens invisible).
 
+    At decode on a cache sharded by position over `sequence_mesh`'s 'context' axis (T = 1,
+    implementation 'xla'), the pool, the candidate source's own top-k and a Reindex layer's
+    top-k inside the pool are the sequence-sharded ops (`ops.pool.sharded_candidate_blocks`,
+    `sharded_topk`, `sharded_pooled_topk`): each device selects among the positions it holds
+    and the devices merge (score, id) pairs; the same picks, bit for bit.
+
     Returns:
       (the state with this layer's top-k and pool published, the index scores [B, T, S]); the
       scores are None for layers that do not score and for Reindex layers that score with the
@@ -98,7 +108,11 @@ def select(
         return shared, None
     q, weights = indexer.queries(jax.lax.stop_gradient(qr), jax.lax.stop_gradient(x), positions)
     pool = shared.pool
-    if plan.uses_candidates and implementation in dispatch.KERNEL_IMPLEMENTATIONS:
+    if sequence_mesh is not None:
+        topk, pool, scores = _select_sequence_sharded(
+            config, plan, q, weights, compress_lens, shared, sequence_mesh
+        )
+    elif plan.uses_candidates and implementation in dispatch.KERNEL_IMPLEMENTATIONS:
         picks = dispatch.pooled_topk(
             config,
             shared.index_k_packed,
@@ -143,6 +157,45 @@ def select(
             publishes_pool=plan.is_candidate_source,
         )
     return shared.replace(topk=topk, pool=pool), scores
+
+
+def _select_sequence_sharded(config, plan, q, weights, compress_lens, shared, mesh):
+    """`select`'s picks at decode (T = 1) on a cache sharded by position over the mesh's
+    'context' axis: (top-k [B, 1, k], pool, scores [B, 1, S] or None)."""
+    lens, rows = compress_lens[:, 0], data_axis(mesh)
+    where = dict(mesh=mesh, axis=CONTEXT, batch_axis=rows, tie_order=config.tie_order)
+    if plan.uses_candidates:
+        picks = sharded_pooled_topk(
+            shared.index_k_packed,
+            q[:, 0],
+            weights[:, 0],
+            shared.pool.block_ids[:, 0],
+            lens,
+            config.index_topk,
+            block_size=config.candidate_block_size,
+            fmt=config.index_format,
+            score_dtype=config.index_score_dtype,
+            neginf_picks=config.neginf_picks,
+            **where,
+        )
+        return picks.indices[:, None], shared.pool, None
+    scores = index_scores(
+        q, weights, shared.index_k, compress_lens, score_dtype=config.index_score_dtype
+    )
+    pool = shared.pool
+    if plan.is_candidate_source:
+        found = sharded_candidate_blocks(
+            scores[:, 0],
+            lens,
+            config.candidate_topk_blocks,
+            config.candidate_block_size,
+            reduce=config.block_score,
+            **where,
+        )
+        pool = CandidatePool(found.mask[:, None], found.block_ids[:, None])
+    # Unrestricted (no mask): −inf picks are dropped under either `neginf_picks` rule.
+    topk = sharded_topk(scores[:, 0], config.index_topk, **where).indices[:, None]
+    return topk, pool, scores
 
 
 class ChunkSelection(NamedTuple):

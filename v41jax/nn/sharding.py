@@ -41,6 +41,50 @@ def context_mesh():
     return mesh
 
 
+def data_axis(mesh) -> str | None:
+    """The mesh's batch axis ('data') if it has one, else None."""
+    return DATA if DATA in mesh.axis_names else None
+
+
+def shard_cache(cache, mesh: jax.sharding.Mesh):
+    """`cache` (`nn.cache.Cache`) placed for sequence-sharded decode on `mesh`: the compressed
+    main KV and index keys [B, S, row] split by position over 'context' in contiguous slices
+    (and the batch over 'data' where the mesh has it), everything else (window rings,
+    compressor buffers, lengths) split over 'data' only. Under `jax.set_mesh(mesh)`,
+    `model.decode_step` then selects and attends where the rows live (`selection.select`,
+    `ops.attention.sharded_packed_sparse_attention`)."""
+    rows = PartitionSpec(data_axis(mesh))
+    by_position = PartitionSpec(data_axis(mesh), CONTEXT)
+
+    def place(x, spec):
+        return None if x is None else jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+
+    layers = tuple(
+        layer.replace(
+            window=place(layer.window, rows),
+            main_kv=place(layer.main_kv, by_position),
+            index_k=place(layer.index_k, by_position),
+            kv_state=place(layer.kv_state, rows),
+            score_state=place(layer.score_state, rows),
+        )
+        for layer in cache.layers
+    )
+    return cache.replace(lengths=place(cache.lengths, rows), layers=layers)
+
+
+def check_decode_implementation(implementation: str):
+    """The mesh in context if the decode cache is sharded by position (a 'context' axis > 1),
+    else None; ValueError unless `implementation` is 'xla' then (the kernels read one
+    device's rows)."""
+    mesh = context_mesh()
+    if mesh is not None and implementation != "xla":
+        raise ValueError(
+            f"implementation: expected 'xla' on a cache sharded over context="
+            f"{mesh.shape[CONTEXT]} (the kernels read one device's rows), got {implementation!r}"
+        )
+    return mesh
+
+
 def _constrain(x, sequence_axis):
     mesh = context_mesh()
     if mesh is None:
