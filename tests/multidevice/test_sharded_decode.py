@@ -251,8 +251,7 @@ def test_sharded_decode_names_what_does_not_fit():
         attention(*args[:5], np.zeros(3, np.float32), axis=axis)
 
 
-@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
-@pytest.mark.parametrize("formats_", ["f32", "packed"])
+@pytest.mark.parametrize(("mesh_name", "formats_"), [("8", "f32"), ("2x4", "packed")])
 def test_a_model_decodes_from_a_sequence_sharded_cache_as_from_one_device(mesh_name, formats_):
     """`model.decode_step` on a cache sharded by position (`sharding.shard_cache`, under
     `jax.set_mesh`): every layer's picks and the pool as on one device, bit for bit, and the
