@@ -119,8 +119,12 @@ def block_top2_mean(
     if masked.shape[-1] < 2:
         return masked[..., 0]
     first, second = (x[..., 0] for x in jnp.split(lax.top_k(masked, 2)[0], 2, axis=-1))
-    # Halves first: exactly (first + second) / 2 in float32, and never overflows.
-    both = 0.5 * first + 0.5 * second
+    # Halves first: exactly (first + second) / 2 in float32, and never overflows. The barrier
+    # keeps XLA's simplifier from factoring 0.5·a + 0.5·b into 0.5·(a + b), which overflows
+    # at ±3e38 (seen in one compiled program and not in another: the sharded pool then
+    # disagreed with the whole-row one).
+    half_first, half_second = lax.optimization_barrier((0.5 * first, 0.5 * second))
+    both = half_first + half_second
     return jnp.where(jnp.sum(valid, axis=-1) >= 2, both, first)
 
 
