@@ -6,6 +6,8 @@ the test. Executed copies go to pytest's temporary directory, never into the rep
 """
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,7 +64,7 @@ def smoke_env(monkeypatch, tmp_path, compile_cache):
     return monkeypatch
 
 
-def execute(source: Path, workdir: Path, kernel_dir: Path) -> None:
+def run_notebook(source: Path, workdir: Path, kernel_dir: Path) -> None:
     """Runs the notebook of `source` in `workdir`; raises `CellExecutionError` on a failed cell.
     The executed notebook is kept in `workdir` for inspection."""
     nb = jupytext.read(source)
@@ -76,6 +78,30 @@ def execute(source: Path, workdir: Path, kernel_dir: Path) -> None:
         client.execute()
     finally:
         nbformat.write(nb, workdir / f"{source.stem}.ipynb")
+
+
+def execute(source: Path, workdir: Path, kernel_dir: Path) -> None:
+    """`run_notebook` in a Python process of its own (this process's environment), so that
+    the Jupyter client's threads and event loop never live in a test worker that goes on to
+    compile XLA programs: three pytest-xdist workers that had run notebooks later crashed inside
+    XLA's CPU compiler (a segmentation fault; cause not found, the client's threads the one
+    thing they had in common). Fails the test with the failing cell's error."""
+    code = (
+        "import sys; from pathlib import Path; from tests.test_notebooks import run_notebook; "
+        "run_notebook(*map(Path, sys.argv[1:]))"
+    )
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(source), str(workdir), str(kernel_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30 * TIMEOUT_S,
+    )
+    assert done.returncode == 0, f"{source.name}:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
 
 
 def test_notebooks_found():
