@@ -89,9 +89,8 @@ def _constrain(x, sequence_axis):
     mesh = context_mesh()
     if mesh is None:
         return x
-    data = DATA if DATA in mesh.axis_names else None
     return jax.lax.with_sharding_constraint(
-        x, PartitionSpec(data, sequence_axis, *([None] * (x.ndim - 2)))
+        x, PartitionSpec(data_axis(mesh), sequence_axis, *([None] * (x.ndim - 2)))
     )
 
 
@@ -118,8 +117,7 @@ def rowwise(fn, *args, whole=()):
     mesh = context_mesh()
     if mesh is None:
         return fn(*args, *whole)
-    data = DATA if DATA in mesh.axis_names else None
-    rows, keys = PartitionSpec(data, CONTEXT), PartitionSpec(data)
+    rows, keys = PartitionSpec(data_axis(mesh), CONTEXT), PartitionSpec(data_axis(mesh))
     specs = (rows,) * len(args) + (keys,) * len(whole)
     return jax.shard_map(fn, in_specs=specs, out_specs=rows)(*args, *whole)
 
@@ -141,7 +139,6 @@ def window_rows(window: jax.Array, window_size: int, positions: jax.Array):
             f"window: expected slices of at least window_size − 1 = {halo} positions, got "
             f"{local} ({seq} over context={n})"
         )
-    data = DATA if DATA in mesh.axis_names else None
 
     def rows_of(w, pos):
         first = jax.lax.axis_index(CONTEXT) * local - halo  # the position of ext's row 0
@@ -152,7 +149,7 @@ def window_rows(window: jax.Array, window_size: int, positions: jax.Array):
         valid = (window_pos >= 0) & (window_pos < seq)
         return rows, jnp.broadcast_to(valid, (w.shape[0], *valid.shape))
 
-    split = PartitionSpec(data, CONTEXT)
+    split = PartitionSpec(data_axis(mesh), CONTEXT)
     return jax.shard_map(
         rows_of, in_specs=(split, PartitionSpec(CONTEXT)), out_specs=(split, split)
     )(window, positions)
