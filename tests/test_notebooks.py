@@ -81,11 +81,11 @@ def run_notebook(source: Path, workdir: Path, kernel_dir: Path) -> None:
 
 
 def execute(source: Path, workdir: Path, kernel_dir: Path) -> None:
-    """`run_notebook` in a Python process of its own (this process's environment), so that
-    the Jupyter client's threads and event loop never live in a test worker that goes on to
-    compile XLA programs: three pytest-xdist workers that had run notebooks later crashed inside
-    XLA's CPU compiler (a segmentation fault; cause not found, the client's threads the one
-    thing they had in common). Fails the test with the failing cell's error."""
+    """`run_notebook` in a Python process of its own (this process's environment): the Jupyter
+    client's threads and event loop stay out of the test worker. Tried against the segfaults
+    of xdist workers inside XLA's CPU compiler (the first three crashed workers had run
+    notebooks); a fourth crashed without them, so that is not their cause, which is not found.
+    Fails the test with the failing cell's error."""
     code = (
         "import sys; from pathlib import Path; from tests.test_notebooks import run_notebook; "
         "run_notebook(*map(Path, sys.argv[1:]))"
