@@ -5,8 +5,12 @@
 long run or the H200. Tests that set `max_examples` themselves keep their own.
 """
 
+import gc
 import os
+from pathlib import Path
 
+import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -33,3 +37,27 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {nodeid: i for i, nodeid in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
+
+
+# Every program XLA compiles for the CPU keeps its JIT-compiled code in memory mappings of its
+# own, about a thousand for a train step of the test models, until jax's caches let it go. A
+# worker that runs hundreds of tests reaches Linux's limit on mappings per process
+# (vm.max_map_count, 65,530 by default): the next compilation fails, and unwinding the C++
+# exception that reports it crashes the worker (SIGSEGV in `_Unwind_Find_FDE`; a core dump of a
+# crashed xdist worker held 65,104 mappings). So when a test leaves the process past 3/4 of the
+# limit, the compiled programs are released; later tests compile theirs again.
+MAPS, MAX_MAPS = Path("/proc/self/maps"), Path("/proc/sys/vm/max_map_count")
+MAP_BUDGET = int(MAX_MAPS.read_text()) * 3 // 4 if MAX_MAPS.exists() else None
+
+
+def memory_mappings() -> int:
+    with MAPS.open("rb") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.fixture(autouse=True)
+def release_compiled_programs_near_the_mapping_limit():
+    yield
+    if MAP_BUDGET is not None and memory_mappings() > MAP_BUDGET:
+        jax.clear_caches()
+        gc.collect()

@@ -6,8 +6,6 @@ the test. Executed copies go to pytest's temporary directory, never into the rep
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -64,7 +62,7 @@ def smoke_env(monkeypatch, tmp_path, compile_cache):
     return monkeypatch
 
 
-def run_notebook(source: Path, workdir: Path, kernel_dir: Path) -> None:
+def execute(source: Path, workdir: Path, kernel_dir: Path) -> None:
     """Runs the notebook of `source` in `workdir`; raises `CellExecutionError` on a failed cell.
     The executed notebook is kept in `workdir` for inspection."""
     nb = jupytext.read(source)
@@ -78,30 +76,6 @@ def run_notebook(source: Path, workdir: Path, kernel_dir: Path) -> None:
         client.execute()
     finally:
         nbformat.write(nb, workdir / f"{source.stem}.ipynb")
-
-
-def execute(source: Path, workdir: Path, kernel_dir: Path) -> None:
-    """`run_notebook` in a Python process of its own (this process's environment): the Jupyter
-    client's threads and event loop stay out of the test worker. Tried against the segfaults
-    of xdist workers inside XLA's CPU compiler (the first three crashed workers had run
-    notebooks); a fourth crashed without them, so that is not their cause, which is not found.
-    Fails the test with the failing cell's error."""
-    code = (
-        "import sys; from pathlib import Path; from tests.test_notebooks import run_notebook; "
-        "run_notebook(*map(Path, sys.argv[1:]))"
-    )
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(source), str(workdir), str(kernel_dir)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30 * TIMEOUT_S,
-    )
-    assert done.returncode == 0, f"{source.name}:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
 
 
 def test_notebooks_found():
