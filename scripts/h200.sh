@@ -5,6 +5,7 @@
 #   bash scripts/h200.sh tests      # one stage: tests | bench | throughput | learning | ablations
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
+#   bash scripts/h200.sh scale_out  # issue 15 item 5, on the two-GPU machine (nvidia-h200-x2)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder the results go to}
@@ -64,5 +65,17 @@ if [[ $stage == studies ]]; then
     | grep --line-buffered -v "it/s" | tee "$OUT/studies/log.txt" || status=1
   tar czf "$OUT/studies.tgz" -C "$OUT" studies && rm -r "$OUT/studies"
   if [[ -d runs/jax_cache ]]; then tar czf "$OUT/jax_cache.tgz" -C runs jax_cache; fi
+fi
+if [[ $stage == scale_out ]]; then
+  # experiments/scale_out.py over every GPU of the machine (at least 2). NVLink multicast stays
+  # off (NCCL_NVLS_ENABLE=0): the lent machines have it disabled.
+  export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+  gpus=$(nvidia-smi -L | wc -l)
+  if ((gpus < 2)); then
+    echo "scale_out: needs at least 2 GPUs, this machine has $gpus" >&2; exit 1
+  fi
+  nvidia-smi topo -m >"$OUT/scale_out_topology.txt" 2>&1
+  "$PY" experiments/scale_out.py --devices "$gpus" --out "$OUT/scale_out_h200x$gpus.json" \
+    2>&1 | tee "$OUT/scale_out.log" || status=1
 fi
 exit $status
