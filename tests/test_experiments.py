@@ -97,10 +97,14 @@ def test_study_options_reach_the_train_config():
 
 @pytest.mark.slow
 def test_block_score_ablation_smoke(tmp_path):
-    block_score_ablation.main(["--smoke", "--out-dir", str(tmp_path)])
-    _check_report(
-        tmp_path, "block_score_ablation", ["max", "mean", "top2", "dense"], ["max", "mean", "top2"]
+    # Three of the four variants (each is a compilation; 'mean' is `ops.pool`'s, tested there),
+    # in the order asked, which is not the file's.
+    argv = ["--smoke", "--out-dir", str(tmp_path), "--variants", "top2", "max", "dense"]
+    block_score_ablation.main(argv)
+    report = _check_report(
+        tmp_path, "block_score_ablation", ["top2", "max", "dense"], ["top2", "max"]
     )
+    assert [r["variant"] for r in report["results"]] == ["top2", "max", "dense"]
 
 
 def test_pool_sizes_are_whole_blocks_of_the_source_positions():
@@ -272,12 +276,17 @@ def test_recipe_sweep_table_counts_seeds_and_steps_to_target():
     assert "100% 97% 90%" in row and "95.7% [" in row
 
 
-def test_long_context_task_smoke_runs_the_curriculum_and_prints_its_table(tmp_path, capsys):
+def test_long_context_task_smoke_runs_the_curriculum_to_the_convergence_rule(tmp_path, capsys):
     out, runs = tmp_path / "report.json", tmp_path / "runs"
     argv = ["--smoke", "--out", str(out), "--runs-dir", str(runs), "--short-lrs", "5e-3", "1e-3"]
+    argv += ["--converge-accuracy", "1e-9", "--short-steps", "50", "--long-steps", "50"]
     assert long_context_task.main(argv) == 0
     report = json.loads(out.read_text())
     assert not report["partial"]
+    # Accuracy >= 1e-9 holds once two evaluations in a row get one answer right: every stage
+    # does so within a few steps, well before its cap of 50, and the next starts from it.
+    assert all(s["summary"]["converged"] for s in report["stages"])
+    assert all(s["summary"]["step"] < 50 for s in report["stages"])
     names = [s["stage"] for s in report["stages"]]
     assert names == ["short48-lr0.005", "short48-lr0.001", "short64-lr0.005", "long"] or names == [
         "short48-lr0.005",
@@ -316,21 +325,6 @@ def test_long_context_task_smoke_runs_the_curriculum_and_prints_its_table(tmp_pa
     assert len(rows) == 1 + 4 and "short48-lr0.005" in rows[1] and "| long |" in rows[4]
     totals = [float(r.split("|")[8].split("/")[1]) for r in rows[1:]]
     assert totals == sorted(totals)  # the running total of training seconds
-
-
-def test_long_context_task_stages_stop_on_the_convergence_rule(tmp_path):
-    """A stage that meets the rule is done before its cap, and the next stage starts from it."""
-    out, runs = tmp_path / "report.json", tmp_path / "runs"
-    argv = ["--smoke", "--out", str(out), "--runs-dir", str(runs), "--short-lrs", "5e-3"]
-    argv += ["--converge-accuracy", "1e-9", "--short-steps", "50", "--long-steps", "50"]
-    argv += ["--ladder", "48"]  # one short rung, then the long stage
-    assert long_context_task.main(argv) == 0
-    report = json.loads(out.read_text())
-    assert not report["partial"]
-    # Accuracy >= 1e-9 holds once two evaluations in a row get one answer right: each stage
-    # of this seed does so within a few steps, well before the cap of 50.
-    assert [s["summary"]["converged"] for s in report["stages"]] == [True] * 2
-    assert all(s["done"] and s["summary"]["step"] < 50 for s in report["stages"])
 
 
 def test_a_stage_record_of_a_seed_stopped_before_its_first_record_has_no_history(tmp_path):

@@ -290,9 +290,9 @@ def test_6_ctrl_c_during_a_save_waits_for_it(tmp_path, monkeypatch):
 
 def test_7_resume_without_a_checkpoint_says_so(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    rundir.prepare(run_dir, SMOKE.replace(steps=2).to_json(), resume=False)  # killed here
-    result = train.run(SMOKE.replace(steps=2), run_dir, progress=False, resume=True)
-    assert result["resumed_from"] == 0 and result["step"] == 2
+    rundir.prepare(run_dir, SMOKE.to_json(), resume=False)  # killed here
+    result = train.run(SMOKE, run_dir, progress=False, resume=True)
+    assert result["resumed_from"] == 0 and result["step"] == SMOKE.steps
     assert "nothing to resume" in capsys.readouterr().out
     assert cli.main(["train", "--resume", "--out", str(tmp_path / "missing")]) == 2
     assert "no run in" in capsys.readouterr().err
