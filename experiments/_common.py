@@ -46,7 +46,16 @@ SMOKE_TRAIN = dict(
     eval_batches=1,
     checkpoint_every=2,
 )
-SMOKE_MODEL = dict(candidate_topk_blocks=2, index_topk=8)
+# Four layers with every role a run trains (window only; Full and candidate source; Reindex;
+# Reuse): about half of tiny()'s compilation.
+SMOKE_LAYERS = dict(
+    n_layers=4,
+    compress_ratios=(0, 1, 1, 1),
+    kv_source_layers=(1,),
+    index_source_layers=(1, 2),
+    candidate_source_layer=1,
+)
+SMOKE_MODEL = dict(SMOKE_LAYERS, candidate_topk_blocks=2, index_topk=8)
 SMOKE_TASK = {
     "mqar": dict(seq_len=64, n_pairs=4, n_queries=2),
     "passkey": dict(seq_len=64, n_digits=3),

@@ -125,7 +125,8 @@ STUDY = dict(
     eval_batches=4,
     converge_accuracy=0.9,
 )
-# --smoke: the same machinery end to end on tiny() in a minute or two of CPU.
+# --smoke: the same machinery end to end on four layers of tiny() (`_common.SMOKE_LAYERS`) in a
+# minute or two of CPU.
 SMOKE_PREFIX = dict(ladder=(48,), short_lrs=(5e-3,), long_steps=2)
 SMOKE_STUDY = dict(
     preset="tiny",
@@ -228,6 +229,9 @@ class Plan:
         argv += ["--model-set", f"query_chunk={s['query_chunk']}"]
         if phase.kv_format:
             argv += ["--model-set", f"kv_format={json.dumps(phase.kv_format)}"]
+        if self.smoke:  # the model of the prefix's --smoke (long_context_task)
+            for field, value in _common.SMOKE_LAYERS.items():
+                argv += ["--model-set", f"{field}={json.dumps(value)}"]
         argv += ["--batch-size", str(s["batch_size"]), "--dense-warmup-steps", "0"]
         argv += ["--lr", str(s["lr"]), "--steps", str(s["steps"])]
         argv += ["--init-from", str(self.init_from(phase.prefix_kv))]
@@ -566,7 +570,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="combined reports (experiments/results) whose finished phases count as done here",
     )
     parser.add_argument("--status", action="store_true", help="print what is done and exit")
-    parser.add_argument("--smoke", action="store_true", help="the plan on tiny(), on a CPU")
+    parser.add_argument(
+        "--smoke", action="store_true", help="the plan on four layers of tiny(), on a CPU"
+    )
     args = parser.parse_args(argv)
     if args.smoke and args.out_dir is None:
         parser.error("--out-dir: --smoke outputs are not results; name a folder for them")

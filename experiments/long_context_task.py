@@ -65,7 +65,8 @@ LONG = dict(
     seq_len=4096, batch_size=8, steps=3000, dense_warmup_steps=100, query_chunk=2048, eval_every=100
 )
 
-# --smoke: every stage of the plan in seconds on a CPU, on tiny() (it trains nothing).
+# --smoke: every stage of the plan in seconds on a CPU, on four layers of tiny()
+# (`_common.SMOKE_LAYERS`; it trains nothing).
 SMOKE_TASKS = {
     "multi_passkey": dict(n_needles=4, digits_per_needle=4, marker_ids=(4, 8),
                           digit_ids=(8, 24), filler_ids=(132, 256), vocab_size=256),
@@ -94,7 +95,7 @@ def plan(args: argparse.Namespace) -> tuple[list[train.TrainConfig], dict]:
         task=args.task,
         seed=args.seeds[0],
         task_changes=dict(task, seq_len=ladder[0]),
-        model_changes={"kv_format": args.kv_format},
+        model_changes={"kv_format": args.kv_format, **(_common.SMOKE_LAYERS if args.smoke else {})},
         batch_size=short["batch_size"],
         steps=args.short_steps or short["steps"],
         lr_warmup_steps=short["lr_warmup_steps"],

@@ -1,5 +1,6 @@
 """What several test files share: small model configs and a fake evaluation."""
 
+from experiments import _common
 from v41jax import train
 from v41jax.nn import config as config_lib
 from v41jax.train import evaluate
@@ -29,18 +30,10 @@ def four_layer_f32(**changes) -> config_lib.ModelConfig:
     )
 
 
-# The four-layer training model of the trainer's group and multi-device tests (window; Full and
+# The four-layer training model of the trainer's, group and multi-device tests (window; Full and
 # candidate source; Reindex; Reuse), `TrainConfig.model_overrides` of tiny(): a pool of 2 blocks
-# of 8 that bites at 64 tokens of MQAR (`TRAIN_TASK`).
-FOUR_LAYER_TRAIN = {
-    "n_layers": 4,
-    "compress_ratios": (0, 1, 1, 1),
-    "kv_source_layers": (1,),
-    "index_source_layers": (1, 2),
-    "candidate_source_layer": 1,
-    "candidate_topk_blocks": 2,
-    "index_topk": 8,
-}
+# of 8 that bites at 64 tokens of MQAR (`TRAIN_TASK`). The studies' --smoke model, the same.
+FOUR_LAYER_TRAIN = dict(_common.SMOKE_MODEL)
 TRAIN_TASK = {"seq_len": 64, "n_pairs": 4, "n_queries": 2}
 
 

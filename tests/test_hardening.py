@@ -20,6 +20,7 @@ from jax.experimental import checkify
 
 from pallas_kernels.pooled_scoring import pooled_scores
 from pallas_kernels.sparse_attention import fp4_sparse_attention
+from tests._models import FOUR_LAYER_TRAIN
 from v41jax import cli, train
 from v41jax.nn import cache as cache_lib
 from v41jax.nn import config, model
@@ -39,7 +40,7 @@ SMOKE = train.TrainConfig(
     checkpoint_every=3,
     dense_warmup_steps=2,
     task_overrides={"seq_len": 64, "n_pairs": 4, "n_queries": 2},
-    model_overrides={"candidate_topk_blocks": 2, "index_topk": 8},
+    model_overrides=FOUR_LAYER_TRAIN,
 )
 
 

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._models import fake_evaluations
+from tests._models import FOUR_LAYER_TRAIN, fake_evaluations
 from v41jax import train
 from v41jax.train import evaluate
 
-# Small enough to compile and run in seconds on 2 CPU cores; the pool (2 blocks of 8) still bites.
+# Small enough to compile and run in seconds on 2 CPU cores: four layers with every role a run
+# trains (`FOUR_LAYER_TRAIN`, half of tiny()'s compilation), and a pool of 2 blocks of 8 that bites.
 SMOKE = train.TrainConfig(
     task="mqar",
     steps=6,
@@ -22,7 +23,7 @@ SMOKE = train.TrainConfig(
     checkpoint_every=3,
     dense_warmup_steps=2,
     task_overrides={"seq_len": 64, "n_pairs": 4, "n_queries": 2},
-    model_overrides={"candidate_topk_blocks": 2, "index_topk": 8},
+    model_overrides=FOUR_LAYER_TRAIN,
 )
 
 
@@ -253,6 +254,16 @@ def test_bad_train_config_names_the_field():
     with pytest.raises(ValueError, match="seq_len"):
         SMOKE.replace(task_overrides=(("seq_len", 4),))
     assert train.TrainConfig.from_json(json.loads(json.dumps(SMOKE.to_json()))) == SMOKE
+
+
+def test_a_config_read_back_from_json_is_the_config_saved():
+    # Tuple-valued overrides (layer lists, id ranges) come back from JSON as lists: read back,
+    # they are tuples again, so the config compares equal and stays hashable.
+    cfg = SMOKE.with_task(key_ids=(4, 68))
+    assert isinstance(dict(cfg.model_overrides)["compress_ratios"], tuple)
+    again = train.TrainConfig.from_json(json.loads(json.dumps(cfg.to_json())))
+    assert again == cfg and hash(again) == hash(cfg)
+    assert dict(again.task_overrides)["key_ids"] == (4, 68)
 
 
 def test_equal_configs_share_one_compiled_train_step():

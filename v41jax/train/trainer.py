@@ -58,7 +58,15 @@ def _overrides(name: str, value: Mapping[str, Any] | Iterable[tuple[str, Any]]) 
         ) from None
     if not all(isinstance(k, str) for k in pairs):
         raise ValueError(f"TrainConfig.{name}: expected field names as keys, got {list(pairs)}")
-    return tuple(sorted(pairs.items()))
+    return tuple(sorted((k, _as_tuples(v)) for k, v in pairs.items()))
+
+
+def _as_tuples(value: Any) -> Any:
+    """Lists (as JSON reads a saved tuple back) as tuples, nested ones too: the config's own
+    form, so that a config read from config.json equals the one saved and stays hashable."""
+    if isinstance(value, list | tuple):
+        return tuple(_as_tuples(v) for v in value)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
