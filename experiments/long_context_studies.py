@@ -179,8 +179,24 @@ class Plan:
         studies = SMOKE_STUDIES if args.smoke else STUDIES
         self.studies = {name: studies[name] for name in args.study}
         self.phases = tuple(dict.fromkeys(p for ps in self.studies.values() for p in ps))
+        if args.phases:
+            self.phases = self.ordered(args.phases)
         self.task = (long_context_task.SMOKE_TASKS if args.smoke else long_context_task.TASKS)[TASK]
         self.work = args.work_dir
+
+    def ordered(self, names: Sequence[str]) -> tuple[Phase, ...]:
+        """The phases named, in that order, then the studies' other phases in theirs: a
+        session's prefix instance serves the comparisons it should pair (e.g. one ratio's every
+        variant and the dense baseline) before the phases that pair with nothing it holds."""
+        by_name = {p.name: p for p in self.phases}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(
+                f"--phases: expected phases of the studies asked for ({', '.join(by_name)}), "
+                f"got {', '.join(unknown)}"
+            )
+        first = [by_name[n] for n in dict.fromkeys(names)]
+        return (*first, *(p for p in self.phases if p not in first))
 
     # The prefixes, one per main-KV format the phases start from.
     def prefixes(self) -> list[str | None]:
@@ -550,6 +566,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument(
+        "--phases",
+        nargs="+",
+        default=[],
+        metavar="PHASE",
+        help="run these phases first, in this order (names as --status prints them)",
+    )
+    parser.add_argument(
         "--work-dir",
         type=Path,
         default=Path("runs") / NAME,
@@ -577,7 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke and args.out_dir is None:
         parser.error("--out-dir: --smoke outputs are not results; name a folder for them")
     out_dir = args.out_dir or _common.RESULTS_DIR
-    plan = Plan(args)
+    try:
+        plan = Plan(args)
+    except ValueError as error:
+        parser.error(str(error))
     for path in args.restore:
         if not path.is_file():
             parser.error(f"--restore: no such report: {path}")

@@ -345,15 +345,28 @@ def test_wilson_interval():
         assert wider[0] <= lo and hi <= wider[1]
 
 
-def _studies_plan(tmp_path, smoke=False, studies=None):
+def _studies_plan(tmp_path, smoke=False, studies=None, phases=()):
     return long_context_studies.Plan(
         argparse.Namespace(
             smoke=smoke,
             seeds=[0, 1],
             work_dir=tmp_path,
             study=studies or list(long_context_studies.STUDIES),
+            phases=list(phases),
         )
     )
+
+
+def test_long_context_studies_phases_named_run_first_in_their_order(tmp_path):
+    default = _studies_plan(tmp_path, studies=["block_score", "pool_size"]).phases
+    names = ["ratio4-top2", "ratio16-dense", "ratio2-max"]
+    plan = _studies_plan(tmp_path, studies=["block_score", "pool_size"], phases=names)
+    assert [p.name for p in plan.phases[:3]] == names
+    assert sorted(plan.phases, key=str) == sorted(default, key=str)  # the same phases
+    rest = [p for p in default if p.name not in names]
+    assert list(plan.phases[3:]) == rest
+    with pytest.raises(ValueError, match=r"--phases: expected phases of the studies.*ratio3-max"):
+        _studies_plan(tmp_path, studies=["block_score"], phases=["ratio4-max", "ratio3-max"])
 
 
 def test_long_context_studies_phases_start_sparse_from_their_prefix_with_the_ratio_pool(tmp_path):
