@@ -396,14 +396,30 @@ def layer_mean(record: dict, layers: Sequence[str], metric: str) -> float | None
     return float(np.mean(found)) if found else None
 
 
-def strip(ax, x: float, ys: list, *, color, label: str | None = None, marker: str = "o") -> None:
-    """Seeds as dots spread around `x`, their mean as a short horizontal bar."""
+def strip(
+    ax,
+    x: float,
+    ys: list,
+    *,
+    color,
+    label: str | None = None,
+    marker: str = "o",
+    log: bool = False,
+    **style,
+) -> None:
+    """Seeds as dots spread around `x`, their mean as a short horizontal bar; on a log x axis
+    (`log`) the spread is a factor, so the dots stay beside their own x at every scale."""
     ys = [y for y in ys if y is not None]
     if not ys:
         return
-    xs = x + (np.linspace(-0.06, 0.06, len(ys)) if len(ys) > 1 else np.zeros(1))
-    ax.scatter(xs, ys, color=color, marker=marker, s=22, zorder=3, label=label)
-    ax.hlines(np.mean(ys), x - 0.12, x + 0.12, color=color, lw=2, zorder=2)
+    offsets = np.linspace(-0.06, 0.06, len(ys)) if len(ys) > 1 else np.zeros(1)
+    xs, bar = (
+        (x * 2 ** (2 * offsets), (x / 2**0.24, x * 2**0.24))
+        if log
+        else (x + offsets, (x - 0.12, x + 0.12))
+    )
+    ax.scatter(xs, ys, color=color, marker=marker, s=22, zorder=3, label=label, **style)
+    ax.hlines(np.mean(ys), *bar, color=color, lw=2, zorder=2)
 
 
 def baseline_tick(ax, x: float, ys: list, *, color, label: str | None = None) -> None:

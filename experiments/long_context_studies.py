@@ -55,7 +55,7 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from experiments import (
@@ -406,7 +406,11 @@ def restore(plan: Plan, combined: Path) -> list[str]:
             own.pop(key, None)
         path = plan.report_path(phase)
         path.parent.mkdir(parents=True, exist_ok=True)
-        mine = [{k: v for k, v in r.items() if k != "phase"} for r in records if r["phase"] == name]
+        mine = [
+            {k: v for k, v in r.items() if k not in ("phase", "prefix_instance")}
+            for r in records
+            if r["phase"] == name
+        ]
         _common.write_report(path, own, mine)
         if plan.phase_done(phase):
             restored.append(name)
@@ -415,9 +419,18 @@ def restore(plan: Plan, combined: Path) -> list[str]:
     return restored
 
 
-def _combined(plan: Plan, phases: Sequence[Phase], experiment: str, **fields) -> dict | None:
+def _combined(
+    plan: Plan,
+    phases: Sequence[Phase],
+    experiment: str,
+    relabel: Callable[[Phase], dict] | None = None,
+    **fields,
+) -> dict | None:
     """The records of `phases`' reports as one report of `experiment` (None before any),
-    "partial" in its config until every phase is done."""
+    "partial" in its config until every phase is done. Each record names its phase and the
+    prefix instance it started from (`prefix_instance`: paired differences pair within one),
+    and takes the fields `relabel(phase)` gives (its variant in the study's own terms) before
+    the summary groups the records by variant."""
     found = [(p, rep) for p in phases if (rep := plan.phase_report(p)) is not None]
     if not found:
         return None
@@ -444,8 +457,10 @@ def _combined(plan: Plan, phases: Sequence[Phase], experiment: str, **fields) ->
     for phase, report in found:
         path = plan.extras_path(phase)
         extras = json.loads(path.read_text()) if path.exists() else {}
+        own = dict(phase=phase.name, prefix_instance=config["prefix_instances"][phase.name])
+        own |= relabel(phase) if relabel else {}
         for record in report["results"]:
-            records.append(dict(record, phase=phase.name, **extras.get(str(record["seed"]), {})))
+            records.append(dict(record, **extras.get(str(record["seed"]), {}), **own))
     return {"config": config, "results": records, "summary": _common.summarize(records)}
 
 
@@ -467,46 +482,47 @@ def pool_size_report(plan: Plan) -> dict | None:
     phases = plan.studies["pool_size"]
     model = train.make_config(preset=plan.study["preset"]).model_config()
     positions = pool_size_sweep.source_positions(model, plan.study["seq_len"])
-    report = _combined(
+
+    def relabel(phase: Phase) -> dict:
+        if phase.variant == "dense":
+            return {}
+        blocks = pool_blocks(plan.study, phase.ratio)
+        return dict(
+            variant=pool_size_sweep.variant_name(blocks),
+            pool_blocks=blocks,
+            pool_fraction=blocks * model.candidate_block_size / positions,
+        )
+
+    return _combined(
         plan,
         phases,
         pool_size_sweep.NAME,
+        relabel,
         reference=pool_size_sweep.REFERENCE,
         fractions=sorted({p.ratio for p in phases if p.variant != "dense"}),
         source_positions=positions,
         prefix=str(plan.init_from(None)),
     )
-    if report is None:
-        return None
-    for record in report["results"]:
-        if record["variant"] == "dense":
-            continue
-        blocks = pool_blocks(plan.study, int(record["phase"].split("-")[0][len("ratio") :]))
-        record["variant"] = pool_size_sweep.variant_name(blocks)
-        record["pool_blocks"] = blocks
-        record["pool_fraction"] = blocks * model.candidate_block_size / positions
-    report["summary"] = _common.summarize(report["results"])
-    return report
 
 
 def kv_format_report(plan: Plan) -> dict | None:
     phases = plan.studies["kv_format"]
-    report = _combined(
+    reference = phases[0].kv_format
+
+    def relabel(phase: Phase) -> dict:
+        if phase.variant != "max":
+            return {}  # the PTQ records name their formats
+        return {"variant": "f32" if phase.kv_format == reference else f"qat/{phase.kv_format}"}
+
+    return _combined(
         plan,
         phases,
         kv_format_study.NAME,
+        relabel,
         reference=kv_format_study.REFERENCE,
-        formats=[p.kv_format for p in phases if p.variant == "max" and p.kv_format != "f32"],
+        formats=[p.kv_format for p in phases if p.variant == "max" and p.kv_format != reference],
         prefix=str(plan.init_from(phases[0].prefix_kv)),
     )
-    if report is None:
-        return None
-    for record in report["results"]:
-        fmt = record["phase"].split("-kv")[-1]
-        if record["variant"] == "max":
-            record["variant"] = "f32" if fmt == "f32" else f"qat/{fmt}"
-    report["summary"] = _common.summarize(report["results"])
-    return report
 
 
 def write_outputs(plan: Plan, out_dir: Path) -> list[Path]:

@@ -113,13 +113,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def plot(report: dict, path) -> None:
     """Against the pool's fraction of the source's positions (log scale): accuracy with the pool
-    (seeds as dots) and the dense run's mean; each Reindex layer's pool recall; the attention
-    mass the pool keeps."""
+    (seeds as dots), the same weights with a pool of one block where the records have it, and
+    the dense run's mean; each Reindex layer's pool recall; the attention mass the pool keeps;
+    where the records have it, how often the answer's evidence is in the pool, beside the
+    pool's own share of the positions (about what a random pool of that size holds)."""
     records, config = report["results"], report["config"]
     layers = config["reindex_layers"]
     sized = sorted({r["pool_fraction"] for r in records if "pool_fraction" in r})
-    fig, axes = _common.subplots(3, 15)
-    acc_ax, recall_ax, mass_ax = axes
+    evidence = any(r.get("evidence_in_pool") is not None for r in records)
+    fig, axes = _common.subplots(4 if evidence else 3, 20 if evidence else 15)
+    acc_ax, recall_ax, mass_ax = axes[:3]
 
     def per_fraction(metric: str) -> tuple[list[float], list[list[float]]]:
         ys = [
@@ -132,9 +135,17 @@ def plot(report: dict, path) -> None:
         ]
         return sized, ys
 
-    xs, ys = per_fraction("accuracy")
-    for x, y in zip(xs, ys, strict=True):
-        _common.strip(acc_ax, x, y, color="C0", label="with the pool" if x == xs[0] else None)
+    for metric, color, marker, label in (
+        ("accuracy", "C0", "o", "with the pool"),
+        ("pool1_accuracy", "C3", "x", "same weights, a pool of one block"),
+    ):
+        xs, ys = per_fraction(metric)
+        first = next((x for x, y in zip(xs, ys, strict=True) if y), None)
+        for x, y in zip(xs, ys, strict=True):
+            _common.strip(
+                acc_ax, x, y, color=color, marker=marker, log=True,
+                label=label if x == first else None,
+            )  # fmt: skip
     dense = [r["accuracy"] for r in records if r["variant"] == REFERENCE]
     if dense:
         acc_ax.axhline(np.mean(dense), color="C7", ls="--", lw=1, label="dense run (mean)")
@@ -148,11 +159,20 @@ def plot(report: dict, path) -> None:
             xs, ys = per_fraction(f"{layer}/{metric}")
             means = [np.mean(y) if y else np.nan for y in ys]
             ax.plot(xs, means, style, color=f"C{i}", label=label)
-    for ax, title in (
+    panels = [
         (acc_ax, "task accuracy (scored positions)"),
         (recall_ax, "pool recall of the Reindex top-k (mean)"),
         (mass_ax, "dense attention mass inside the pool (mean)"),
-    ):
+    ]
+    if evidence:
+        xs, ys = per_fraction("evidence_in_pool")
+        for x, y in zip(xs, ys, strict=True):
+            _common.strip(
+                axes[3], x, y, color="C0", log=True, label="seeds" if x == xs[0] else None
+            )
+        axes[3].plot(sized, sized, ":", color="C7", label="the pool's share of the positions")
+        panels.append((axes[3], "answer's evidence in the pool (queries beyond it)"))
+    for ax, title in panels:
         ax.set(title=title, xscale="log", xlabel="pool / source positions", ylim=(0, 1.02))
         ax.set_xlim(sized[0] / 1.5, sized[-1] * 1.5)
         ax.set_xticks(sized, [f"1/{1 / f:.3g}" if f < 1 else "1" for f in sized])

@@ -8,7 +8,11 @@ the JSON's, never retyped.
 Each table: one row per variant with mean ± sample std over seeds (the JSON's `summary`), the
 per-seed accuracies, and the steps each run trained (a run a time cap stopped short is flagged).
 Where the report names a reference variant (`config["reference"]`), a second table gives each
-variant's paired difference from it, seed by seed, with a 95 % t-interval.
+variant's paired difference from it, seed by seed, with a 95 % t-interval. A pair is one seed's
+two runs from the same starting weights: in `long_context_studies.py`'s reports, runs from the
+same prefix instance (`prefix_instance`); a variant with no such pair says so. Where the records
+hold `pool1_accuracy`, a third table asks whether the answers go through the pool: each run's
+accuracy with a pool of one block against its accuracy as trained, the same weights.
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
     batches): accuracy in points and task loss, the mean over seeds with its 95 % t-interval
     (over the paired differences; '—' with one pair), and the accuracy differences' range."""
     records = report["results"]
-    ref = {r["seed"]: r for r in records if r["variant"] == reference}
+    ref = {_pair_key(r): r for r in records if r["variant"] == reference}
     variants = [v for v in dict.fromkeys(r["variant"] for r in records) if v != reference]
     variants = sorted(variants, key=order) if order else variants
     metrics = [("accuracy", 100, "+.1f"), ("task_loss", 1, "+.4f")]
@@ -137,10 +141,11 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
         header += "| Δ evidence in pool (points): mean [95 % CI] "
     lines = [header + "| seeds |", "|---" * (len(metrics) + 3) + "|"]
     for variant in variants:
-        pairs = [
-            (r, ref[r["seed"]]) for r in records if r["variant"] == variant and r["seed"] in ref
-        ]
+        own = [r for r in records if r["variant"] == variant]
+        pairs = [(r, ref[_pair_key(r)]) for r in own if _pair_key(r) in ref]
         if not pairs:
+            note = f"— (no run of {reference} from the same starting weights)"
+            lines.append(f"| {variant} | {' | '.join([note] + ['—'] * len(metrics))} | 0 |")
             continue
         cells = []
         for key, scale, fmt in metrics:
@@ -156,6 +161,38 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
             if key == "accuracy":
                 cells.append(f"{min(d):{fmt}} … {max(d):{fmt}}")
         lines.append(f"| {variant} | {' | '.join(cells)} | {len(pairs)} |")
+    return "\n".join(lines)
+
+
+def _pair_key(record: dict) -> tuple:
+    """What makes two records a pair: the seed and the weights the runs started from (None
+    where a report has one starting point for all)."""
+    return record["seed"], record.get("prefix_instance")
+
+
+def through_the_pool(report: dict, order: Callable[[str], tuple] | None = None) -> str:
+    """Per variant, the accuracy of each run's final weights with a pool of one block (the
+    pinned newest block) minus its accuracy as trained, in points: mean over seeds with its
+    95 % t-interval. Near zero: the answers do not depend on what the pool holds."""
+    records = [r for r in report["results"] if r.get("pool1_accuracy") is not None]
+    variants = list(dict.fromkeys(r["variant"] for r in records))
+    variants = sorted(variants, key=order) if order else variants
+    lines = [
+        "| variant | accuracy as trained (%) | with a pool of one block (%) "
+        "| Δ (points): mean [95 % CI] | min … max | seeds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant in variants:
+        own = [r for r in records if r["variant"] == variant]
+        d = [100 * (r["pool1_accuracy"] - r["accuracy"]) for r in own]
+        ci = _common.t_interval(d)
+        interval = "—" if ci is None else f"{ci[0]:+.1f}, {ci[1]:+.1f}"
+        trained = sum(r["accuracy"] for r in own) / len(own)
+        one = sum(r["pool1_accuracy"] for r in own) / len(own)
+        lines.append(
+            f"| {variant} | {100 * trained:.1f} | {100 * one:.1f} | {sum(d) / len(d):+.1f} "
+            f"[{interval}] | {min(d):+.1f} … {max(d):+.1f} | {len(own)} |"
+        )
     return "\n".join(lines)
 
 
@@ -190,6 +227,9 @@ def main() -> None:
         print()
         if reference := report["config"].get("reference"):
             print(paired(report, reference, order))
+            print()
+        if any(r.get("pool1_accuracy") is not None for r in report["results"]):
+            print(through_the_pool(report, order))
             print()
 
 

@@ -232,13 +232,38 @@ def test_paired_differences_are_taken_on_the_same_seed():
         f"| ptq/fp8 | +0.0 [{-acc:+.1f}, {acc:+.1f}] | -25.0 … +25.0 "
         f"| -0.1250 [{-0.125 - loss:+.4f}, {-0.125 + loss:+.4f}] | 2 |"
     )
-    assert len(lines) == 3
+    assert lines[3] == "| qat/fp8 | — (no run of f32 from the same starting weights) | — | — | 0 |"
     one = [r for r in records if r["seed"] != 0]  # one pair: no interval
     assert (
         study_tables.paired({"results": one}, "f32")
         .splitlines()[2]
         .startswith("| ptq/fp8 | -25.0 [—] | -25.0 … -25.0 |")
     )
+
+
+def test_paired_differences_pair_runs_from_the_same_prefix_instance_only():
+    # Seed 0's f32 run started from another training of the prefix than its fp8 run: no pair.
+    records = [
+        {"variant": "f32", "seed": 0, "accuracy": 0.5, "task_loss": 1.0, "prefix_instance": "a"},
+        {"variant": "f32", "seed": 1, "accuracy": 1.0, "task_loss": 0.0, "prefix_instance": "b"},
+        {"variant": "fp8", "seed": 0, "accuracy": 0.75, "task_loss": 0.5, "prefix_instance": "b"},
+        {"variant": "fp8", "seed": 1, "accuracy": 0.75, "task_loss": 0.5, "prefix_instance": "b"},
+    ]
+    lines = study_tables.paired({"results": records}, "f32").splitlines()
+    assert lines[2] == "| fp8 | -25.0 [—] | -25.0 … -25.0 | +0.5000 [—] | 1 |"
+
+
+def test_through_the_pool_is_the_same_weights_with_a_pool_of_one_block():
+    records = [
+        {"variant": "max", "seed": 0, "accuracy": 0.9, "pool1_accuracy": 0.5},
+        {"variant": "max", "seed": 1, "accuracy": 0.8, "pool1_accuracy": 0.6},
+        {"variant": "dense", "seed": 0, "accuracy": 1.0},  # no pool: no row
+    ]
+    lines = study_tables.through_the_pool({"results": records}).splitlines()
+    half = stats.t.ppf(0.975, 1) * stats.tstd([-40.0, -20.0]) / 2**0.5
+    assert lines[2:] == [
+        f"| max | 85.0 | 55.0 | -30.0 [{-30 - half:+.1f}, {-30 + half:+.1f}] | -40.0 … -20.0 | 2 |"
+    ]
 
 
 def test_main_job_seeds_target_and_interval():
@@ -444,6 +469,31 @@ def test_long_context_studies_combine_the_phases_into_each_studys_report(tmp_pat
     assert long_context_studies.restore(fresh, combined) == []  # already there: left alone
     with pytest.raises(ValueError, match="--restore: expected a combined report of"):
         long_context_studies.restore(fresh, plan.report_path(P(16, "max")))
+
+
+def test_long_context_studies_pool_size_report_summarizes_each_pool_apart(tmp_path):
+    # Two ratios' 'max' phases whose per-distance lists differ in length (the H200 run of
+    # 2026-12-02 crashed summarizing them as one variant before naming their pools), from two
+    # prefix instances: each record names its pool and its instance.
+    plan = _studies_plan(tmp_path, studies=["pool_size"])
+    P = long_context_studies.Phase
+    for phase, by_distance, instance in (
+        (P(16, "max"), [0.5, 0.5, 0.5], "a"),
+        (P(64, "max"), [1.0, 0.0], "b"),
+    ):
+        _fake_phase_report(plan, phase, [0.9, 0.8])
+        report = json.loads(plan.report_path(phase).read_text())
+        for record in report["results"]:
+            record["layer6/pool_recall_by_distance"] = by_distance
+        plan.report_path(phase).write_text(json.dumps(report))
+        plan.instance_path(phase).write_text(json.dumps(instance))
+    pool = long_context_studies.pool_size_report(plan)
+    assert set(pool["summary"]) == {"pool8", "pool32"}
+    assert pool["summary"]["pool8"]["layer6/pool_recall_by_distance"]["mean"] == [1.0, 0.0]
+    assert {(r["variant"], r["prefix_instance"]) for r in pool["results"]} == {
+        ("pool32", "a"),
+        ("pool8", "b"),
+    }
 
 
 def test_long_context_studies_kv_smoke_trains_from_the_f32_prefix_and_resumes(tmp_path, capsys):
