@@ -174,6 +174,7 @@ class Plan:
 
     def __init__(self, args: argparse.Namespace):
         self.smoke, self.seeds = args.smoke, list(args.seeds)
+        self.group_size = args.group_size
         self.prefix = SMOKE_PREFIX if args.smoke else PREFIX
         self.study = SMOKE_STUDY if args.smoke else STUDY
         studies = SMOKE_STUDIES if args.smoke else STUDIES
@@ -214,7 +215,7 @@ class Plan:
     def prefix_argv(self, kv_format: str | None, minutes: float) -> list[str]:
         p = self.prefix
         argv = ["--task", TASK, "--preset", self.study["preset"], "--long-attention", "dense"]
-        argv += [*_flags("seeds", self.seeds), "--group-size", "1"]
+        argv += [*_flags("seeds", self.seeds), "--group-size", str(self.group_size)]
         argv += _flags("ladder", p["ladder"]) + _flags("short-lrs", p["short_lrs"])
         argv += ["--long-steps", str(p["long_steps"]), "--max-minutes", f"{minutes:.2f}"]
         argv += ["--out", str(self.prefix_report(kv_format))]
@@ -252,7 +253,8 @@ class Plan:
         argv += ["--lr", str(s["lr"]), "--steps", str(s["steps"])]
         argv += ["--init-from", str(self.init_from(phase.prefix_kv))]
         argv += ["--eval-every", str(s["eval_every"]), "--eval-batches", str(s["eval_batches"])]
-        argv += ["--converge-accuracy", str(s["converge_accuracy"]), "--group-size", "1"]
+        argv += ["--converge-accuracy", str(s["converge_accuracy"])]
+        argv += ["--group-size", str(self.group_size)]
         argv += [*_flags("seeds", self.seeds), "--variants", phase.variant]
         argv += ["--out-dir", str(self.report_path(phase).parent)]
         argv += ["--runs-dir", str(self.runs_dir(phase))]
@@ -582,6 +584,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="seeds trained together in one program, in the prefix and in every phase (1: one "
+        "after another in one process, as every committed phase was trained; a group stops on "
+        "the convergence rule when all its seeds meet it)",
+    )
+    parser.add_argument(
         "--phases",
         nargs="+",
         default=[],
@@ -613,6 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--smoke", action="store_true", help="the plan on four layers of tiny(), on a CPU"
     )
     args = parser.parse_args(argv)
+    if args.group_size < 1:
+        parser.error(f"--group-size: expected a positive number of seeds, got {args.group_size}")
     if args.smoke and args.out_dir is None:
         parser.error("--out-dir: --smoke outputs are not results; name a folder for them")
     out_dir = args.out_dir or _common.RESULTS_DIR

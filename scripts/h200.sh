@@ -5,6 +5,8 @@
 #   bash scripts/h200.sh tests      # one stage: tests | bench | throughput | learning | ablations
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
+#   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
+#                                   # across calls, running on between them (below)
 #   bash scripts/h200.sh scale_out  # issue 15 item 5, on the two-GPU machine (nvidia-h200-x2)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -50,21 +52,56 @@ if [[ $stage == ablations ]]; then
       || status=1
   done
 fi
+# experiments/long_context_studies.py: STUDY (block_score), the committed combined reports in
+# RESTORE counted as done (unset: every block_score_4k_ratio*_h200_* report; empty: none),
+# STUDY_ARGS (e.g. "--phases ratio4-max ratio4-mean": a prefix trained on this machine is
+# another instance than the committed phases', so a comparison that must pair runs all its
+# phases here, unrestored).
+restore=(${RESTORE-experiments/results/block_score_4k_ratio*_h200_*.json})
+studies_argv=(experiments/long_context_studies.py --study ${STUDY:-block_score}
+              ${restore[@]:+--restore "${restore[@]}"} ${STUDY_ARGS:-})
+export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=runs/jax_cache
+pack_studies() {  # what comes back: studies.tgz (the combined reports, figures, the phases'
+  # own reports and the log); jax_cache.tgz with PACK_CACHE=1 (the compilation cache: unpacked
+  # here as runs/jax_cache and carried to the next machine, it saves the compiles, about a
+  # minute a program, while the code is unchanged)
+  local reports=()
+  [[ -d runs/long_context_studies/reports ]] && reports=(-C ../long_context_studies reports)
+  tar czf "$OUT/studies.tgz" -C runs/studies_out . "${reports[@]}"
+  if [[ ${PACK_CACHE:-0} == 1 && -d runs/jax_cache ]]; then
+    tar czf "$OUT/jax_cache.tgz" -C runs jax_cache
+  fi
+}
 if [[ $stage == studies ]]; then
-  # experiments/long_context_studies.py for MAX_MINUTES (a guard; the plan resumes): call it
-  # again right away (the machine keeps runs/ while warm). A fresh machine trains the prefix
-  # again and counts the committed reports' phases as done (--restore). What comes back is two
-  # files: studies.tgz (the combined reports, figures and the log) and jax_cache.tgz (the
-  # compilation cache; unpacked here as runs/jax_cache and carried to the next machine, it
-  # saves the compiles, about a minute a program, while the code is unchanged).
-  export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=runs/jax_cache
-  mkdir -p "$OUT/studies"
-  "$PY" experiments/long_context_studies.py --study ${STUDY:-block_score} \
-    --restore experiments/results/block_score_4k_ratio*_h200_*.json \
-    --max-minutes ${MAX_MINUTES:-8.5} --out-dir "$OUT/studies" ${STUDY_ARGS:-} 2>&1 \
-    | grep --line-buffered -v "it/s" | tee "$OUT/studies/log.txt" || status=1
-  tar czf "$OUT/studies.tgz" -C "$OUT" studies && rm -r "$OUT/studies"
-  if [[ -d runs/jax_cache ]]; then tar czf "$OUT/jax_cache.tgz" -C runs jax_cache; fi
+  # For MAX_MINUTES (a guard; the plan resumes): call it again right away (the machine keeps
+  # runs/ while warm). A fresh machine trains the prefix again.
+  mkdir -p runs/studies_out
+  "$PY" "${studies_argv[@]}" --max-minutes ${MAX_MINUTES:-8.5} --out-dir runs/studies_out 2>&1 \
+    | grep --line-buffered -v "it/s" | tee runs/studies_out/log.txt || status=1
+  pack_studies
+fi
+if [[ $stage == studies_start || $stage == studies_wait ]]; then
+  # The plan in a process of its own session (setsid), so it runs on between calls: a call's
+  # 10 minutes no longer cut a phase, and nothing compiles twice. studies_start starts it with
+  # the guard MAX_MINUTES (26: a machine is held 30 minutes at most), then waits; each
+  # studies_wait waits again. Each call waits WAIT seconds (560) or until the plan ends, then
+  # packs what is done. The next call must come within the machine's 30 s of warmth, or the
+  # machine and the plan go back; what came back so far stays.
+  mkdir -p runs/studies_out
+  if [[ $stage == studies_start ]]; then
+    setsid nohup "$PY" "${studies_argv[@]}" --max-minutes ${MAX_MINUTES:-26} \
+      --out-dir runs/studies_out >runs/studies_out/log.txt 2>&1 </dev/null &
+    echo $! >runs/studies_out/pid
+  fi
+  pid=$(cat runs/studies_out/pid 2>/dev/null)
+  for ((t = 0; t < ${WAIT:-560}; t += 5)); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 5
+  done
+  grep -v "it/s" runs/studies_out/log.txt | grep -E "^==|^run:|accuracy|Error|Traceback" | tail -40
+  kill -0 "$pid" 2>/dev/null && echo "studies: still running (pid $pid)" || echo "studies: ended"
+  grep -q Traceback runs/studies_out/log.txt && status=1
+  pack_studies
 fi
 if [[ $stage == scale_out ]]; then
   # experiments/scale_out.py over every GPU of the machine (at least 2). NVLink multicast stays

@@ -370,11 +370,12 @@ def test_wilson_interval():
         assert wider[0] <= lo and hi <= wider[1]
 
 
-def _studies_plan(tmp_path, smoke=False, studies=None, phases=()):
+def _studies_plan(tmp_path, smoke=False, studies=None, phases=(), group_size=1):
     return long_context_studies.Plan(
         argparse.Namespace(
             smoke=smoke,
             seeds=[0, 1],
+            group_size=group_size,
             work_dir=tmp_path,
             study=studies or list(long_context_studies.STUDIES),
             phases=list(phases),
@@ -415,6 +416,10 @@ def test_long_context_studies_phases_start_sparse_from_their_prefix_with_the_rat
         assert model.kv_format == (phase.kv_format or "nvfp4")
         assert cfg.init_from == str(plan.init_from(phase.prefix_kv))
         assert cfg.converge_accuracy == 0.9 and args.max_minutes == 5.0
+        assert args.group_size == 1  # one seed after another, as the committed phases
+    grouped = _studies_plan(tmp_path, group_size=2)
+    for argv in (grouped.phase_argv(grouped.phases[0], 5.0), grouped.prefix_argv(None, 5.0)):
+        assert argv[argv.index("--group-size") + 1] == "2"
     # Every KV-format phase starts from the f32 prefix; the others from the preset's.
     kv = {p.prefix_kv for p in plan.studies["kv_format"]}
     assert kv == {"f32"} and {p.prefix_kv for p in plan.studies["block_score"]} == {None}
