@@ -45,6 +45,16 @@ same seeds, data and steps):
     PYTHONPATH=. python3 experiments/long_context_studies.py --max-minutes 9 \
         --restore experiments/results/block_score_4k_ratio*_h200_*.json
     PYTHONPATH=. python3 experiments/long_context_studies.py --smoke --out-dir /tmp/lcs  # CPU
+
+A prefix trained again is another instance (its weights differ), and paired differences pair
+runs of one instance only: a session that cannot reuse the committed phases' prefix runs a
+whole comparison on its own, restoring only what it does not pair with, e.g.
+
+    PYTHONPATH=. python3 experiments/long_context_studies.py --max-minutes 26 \
+        --restore experiments/results/block_score_4k_ratio{16,64}_h200_2026-12-01.json \
+        --phases ratio4-max ratio4-mean ratio4-top2 ratio16-dense
+
+(`bash scripts/h200.sh studies_start` runs it in the background across the device's calls).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ the JSON's, never retyped.
 
     python3 experiments/study_tables.py experiments/results/block_score_ablation.json
     python3 experiments/study_tables.py experiments/results/kv_format_study.json
+    python3 experiments/study_tables.py --metrics accuracy evidence_in_pool -- <report.json>
 
 Each table: one row per variant with mean ± sample std over seeds (the JSON's `summary`), the
 per-seed accuracies, and the steps each run trained (a run a time cap stopped short is flagged).
@@ -130,6 +131,8 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
     records = report["results"]
     ref = {_pair_key(r): r for r in records if r["variant"] == reference}
     variants = [v for v in dict.fromkeys(r["variant"] for r in records) if v != reference]
+    if not variants:
+        return ""
     variants = sorted(variants, key=order) if order else variants
     metrics = [("accuracy", 100, "+.1f"), ("task_loss", 1, "+.4f")]
     header = (
@@ -196,6 +199,30 @@ def through_the_pool(report: dict, order: Callable[[str], tuple] | None = None) 
     return "\n".join(lines)
 
 
+def intervals(report: dict, metrics: Sequence[str], order=None) -> str:
+    """Per variant, each of `metrics` as its mean over seeds with the 95 % t-interval and the
+    seed count (the summary's `ci95` and `n`); fractions in 0..1 are printed in %."""
+    summary = report["summary"]
+    variants = sorted(summary, key=order) if order else list(summary)
+    lines = [
+        "| variant | " + " | ".join(f"{m}: mean [95 % CI] (seeds)" for m in metrics) + " |",
+        "|---" * (len(metrics) + 1) + "|",
+    ]
+    for variant in variants:
+        cells = []
+        for metric in metrics:
+            stat = summary[variant].get(metric)
+            if not stat or stat["mean"] is None or isinstance(stat["mean"], list):
+                cells.append("—")
+                continue
+            scale, fmt = (100, ".1f") if metric != "task_loss" else (1, ".4f")
+            ci = stat["ci95"]
+            interval = "—" if ci is None else f"{scale * ci[0]:{fmt}}, {scale * ci[1]:{fmt}}"
+            cells.append(f"{scale * stat['mean']:{fmt}} [{interval}] ({stat['n']})")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def format_order(formats: Sequence[str]) -> Callable[[str], tuple]:
     """Sort key for `kv_format_study` variants: plain ones (the reference) first, then each of
     `formats` (the report's `config["formats"]`, in its order) with its QAT row above its PTQ."""
@@ -213,6 +240,13 @@ def format_order(formats: Sequence[str]) -> Callable[[str], tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path, help="study reports (JSON)")
+    parser.add_argument(
+        "--metrics",
+        nargs="+",
+        metavar="METRIC",
+        help="print only these metrics of each variant, mean with its 95 %% t-interval over "
+        "seeds (e.g. accuracy evidence_in_pool pool1_accuracy task_loss)",
+    )
     args = parser.parse_args()
     for path in args.paths:
         report = json.loads(path.read_text())
@@ -223,10 +257,15 @@ def main() -> None:
         asked = report["config"]["seeds"]
         missing = "" if seeds == asked else f" of the {asked} asked for"
         print(f"{path} ({experiment}, seeds {seeds}{missing}, {report['config']['device']}):\n")
+        if args.metrics:
+            print(intervals(report, args.metrics, order))
+            print()
+            continue
         print(table(report, order))
         print()
-        if reference := report["config"].get("reference"):
-            print(paired(report, reference, order))
+        reference = report["config"].get("reference")
+        if reference and (lines := paired(report, reference, order)):
+            print(lines)
             print()
         if any(r.get("pool1_accuracy") is not None for r in report["results"]):
             print(through_the_pool(report, order))

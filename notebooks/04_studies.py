@@ -54,8 +54,9 @@ print(f"{len(reports)} block-score reports in {RESULTS_DIR}: {[p.name for p in p
 # ## 1. The tables
 #
 # One row per variant (mean ± sample std over seeds), then each variant's difference from `max`
-# on the same seed with its 95 % t-interval. A report marked partial lacks some of its planned
-# phases.
+# on the same seed (and the same prefix instance) with its 95 % t-interval, and, where the runs
+# were evaluated with a pool of one block, how much the answers depend on the pool. A report
+# marked partial lacks some of its planned phases.
 
 # %%
 for path, report in reports.items():
@@ -67,6 +68,9 @@ for path, report in reports.items():
     print()
     print(study_tables.paired(report, config.get("reference", "max")))
     print()
+    if any(r.get("pool1_accuracy") is not None for r in report["results"]):
+        print(study_tables.through_the_pool(report))
+        print()
 
 # %% [markdown]
 # ## 2. Accuracy against the evidence in the pool

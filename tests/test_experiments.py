@@ -266,6 +266,22 @@ def test_through_the_pool_is_the_same_weights_with_a_pool_of_one_block():
     ]
 
 
+def test_intervals_print_the_summarys_mean_and_t_interval():
+    records = [
+        {"variant": "max", "seed": 0, "accuracy": 0.5, "task_loss": 1.0},
+        {"variant": "max", "seed": 1, "accuracy": 1.0, "task_loss": 0.5},
+        {"variant": "mean", "seed": 0, "accuracy": 0.25},
+    ]
+    report = {"results": records, "summary": _common.summarize(records)}
+    lines = study_tables.intervals(report, ["accuracy", "task_loss"]).splitlines()
+    lo, hi = stats.t.interval(0.95, 1, loc=75.0, scale=stats.tstd([50.0, 100.0]) / 2**0.5)
+    loss_lo, loss_hi = stats.t.interval(0.95, 1, loc=0.75, scale=stats.tstd([1.0, 0.5]) / 2**0.5)
+    assert lines[2] == (
+        f"| max | 75.0 [{lo:.1f}, {hi:.1f}] (2) | 0.7500 [{loss_lo:.4f}, {loss_hi:.4f}] (2) |"
+    )
+    assert lines[3] == "| mean | 25.0 [—] (1) | — |"
+
+
 def test_main_job_seeds_target_and_interval():
     from experiments import main_job_seeds
 
