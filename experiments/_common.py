@@ -23,7 +23,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 from scipy import stats
 
 from v41jax import train
@@ -232,28 +231,6 @@ def load_model(cfg: train.TrainConfig, run_dir: Path) -> Model:
     if saved != cfg:
         raise ValueError(f"run_dir: {run_dir} holds a run of another config")
     return model
-
-
-def with_model_fields(model: Model, **changes) -> Model:
-    """The same parameters under a config with other non-parameter fields (formats, the pool's
-    size, the block score): the graph of a model built with the changed config takes the
-    trained state as it is. ValueError if a change alters the parameters' shapes."""
-    config = model.config.replace(**changes)
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: Model(config, rngs=nnx.Rngs(0))))
-    state = nnx.state(model)
-    want = jax.tree.map(lambda x: (x.shape, x.dtype), shapes)
-    got = jax.tree.map(lambda x: (x.shape, x.dtype), state)
-    if want != got:
-        raise ValueError(
-            f"changes: {sorted(changes)} change the model's parameters; expected "
-            "fields that leave them as they are"
-        )
-    return nnx.merge(graphdef, state)
-
-
-def with_kv_format(model: Model, kv_format: str) -> Model:
-    """The same parameters read through another main-KV format: post-training quantization."""
-    return with_model_fields(model, kv_format=kv_format)
 
 
 def reindex_layers(model_config: config_lib.ModelConfig) -> list[str]:

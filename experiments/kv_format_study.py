@@ -36,7 +36,7 @@ import numpy as np
 
 from experiments import _common
 from v41jax import train
-from v41jax.nn.model import Model
+from v41jax.nn.model import Model, with_fields
 from v41jax.ops import formats
 from v41jax.train import evaluate
 
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         trained = _common.load_model(reference_cfg, seed_dir)
         for fmt in args.formats:
             step = reference["step"]
-            ptq = evaluate_like_run(_common.with_kv_format(trained, fmt), reference_cfg, step)
+            ptq = evaluate_like_run(with_fields(trained, kv_format=fmt), reference_cfg, step)
             print(
                 f"ptq/{fmt} (the {REFERENCE} run, seed {seed}): accuracy {ptq['accuracy']:.1%}, "
                 f"task loss {ptq['task_loss']:.4f}",

@@ -30,9 +30,9 @@ config until all its phases are done: `long_context_prefix*.json`, per ratio
 `block_score_4k_ratio<r>.json` (`block_score_ablation`'s schema), `pool_size_4k.json`
 (`pool_size_sweep`'s) and `kv_format_4k.json` (`kv_format_study`'s), each with its figure;
 `study_tables.py` prints them. Each record of a sparse phase also holds the accuracy of its
-final weights with a pool of one block (`pool1_accuracy`: does the answer go through the
-pool?), and seed 0's final pools on one held-out example (`pool_snapshot`,
-`evaluate.pool_snapshot`), which notebook 04 draws.
+final weights with a pool of one block (`pool1_accuracy`, from the run's summary: does the
+answer go through the pool?), and seed 0's final pools on one held-out example
+(`pool_snapshot`, `evaluate.pool_snapshot`), which notebook 04 draws.
 
     PYTHONPATH=. python3 experiments/long_context_studies.py --max-minutes 9   # again to go on
     PYTHONPATH=. python3 experiments/long_context_studies.py --study kv_format --max-minutes 9
@@ -76,6 +76,7 @@ from experiments import (
     pool_size_sweep,
 )
 from v41jax import train
+from v41jax.nn.model import with_fields
 from v41jax.train import evaluate
 
 NAME = "long_context_studies"
@@ -304,14 +305,11 @@ class Plan:
 
 
 def after_phase(plan: Plan, phase: Phase) -> None:
-    """What a finished sparse phase adds to its records, from each seed's final weights, kept
-    beside the phase's report (`extras_path`):
-      - `pool1_accuracy`, `pool1_task_loss`: the same weights evaluated as the run evaluated
-        itself but with a pool of one block (the pinned newest one): how much the answers
-        depend on what the pool holds;
-      - `pool_snapshot` (the `SNAPSHOT_SEEDS`): `evaluate.pool_snapshot` on the first held-out
-        example of the run's evaluation batches.
-    Nothing when the runs are not on this machine (a report from elsewhere)."""
+    """What a finished sparse phase adds to its records, kept beside the phase's report
+    (`extras_path`): the `SNAPSHOT_SEEDS`' final pools on the first held-out example of the
+    run's evaluation batches (`pool_snapshot`, `evaluate.pool_snapshot`). Nothing when the runs
+    are not on this machine (a report from elsewhere). (The accuracy of the final weights with a
+    pool of one block, `pool1_accuracy`, is in every sparse run's own summary: `train.run`.)"""
     if phase.variant in ("dense", "ptq") or plan.extras_path(phase).exists():
         return
     extras = {}
@@ -320,26 +318,11 @@ def after_phase(plan: Plan, phase: Phase) -> None:
         if not (run_dir / "config.json").exists():
             return
         cfg = train.TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
-        model = _common.load_model(cfg, run_dir)
-        one = _common.with_model_fields(model, candidate_topk_blocks=1)
-        result = evaluate.evaluate(
-            one,
-            cfg.make_task(),
-            seed=cfg.seed + train.EVAL_SEED_OFFSET,
-            batches=cfg.eval_batches,
-            batch_size=cfg.batch_size,
-            dense=False,
-        )
-        extra = {"pool1_accuracy": result["accuracy"], "pool1_task_loss": result["task_loss"]}
-        print(
-            f"{phase.name}, seed {cfg.seed}: accuracy {extra['pool1_accuracy']:.1%} with a "
-            f"pool of one block (as trained: {record['accuracy']:.1%})",
-            flush=True,
-        )
         if cfg.seed in SNAPSHOT_SEEDS:
+            model = _common.load_model(cfg, run_dir)
             seed = cfg.seed + train.EVAL_SEED_OFFSET
-            extra["pool_snapshot"] = evaluate.pool_snapshot(model, cfg.make_task(), seed=seed)
-        extras[str(cfg.seed)] = extra
+            snapshot = evaluate.pool_snapshot(model, cfg.make_task(), seed=seed)
+            extras[str(cfg.seed)] = {"pool_snapshot": snapshot}
     plan.extras_path(phase).write_text(json.dumps(extras))
 
 
@@ -360,7 +343,7 @@ def run_ptq(plan: Plan, phase: Phase) -> None:
         model = _common.load_model(cfg, Path(source["run_dir"]))
         for fmt in formats:
             result = kv_format_study.evaluate_like_run(
-                _common.with_kv_format(model, fmt), cfg, source["step"]
+                with_fields(model, kv_format=fmt), cfg, source["step"]
             )
             print(f"ptq/{fmt}, seed {cfg.seed}: accuracy {result['accuracy']:.1%}", flush=True)
             records.append(

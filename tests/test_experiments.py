@@ -19,6 +19,7 @@ from experiments import (
 )
 from v41jax import train
 from v41jax.nn import config as config_lib
+from v41jax.nn.model import with_fields
 
 POOL_METRICS = (
     "pool_recall",
@@ -145,7 +146,7 @@ def test_kv_format_study_smoke_and_ptq_reads_the_trained_parameters(tmp_path):
     cfg = train.TrainConfig.from_json(json.loads((run_dir / "config.json").read_text()))
     trained = _common.load_model(cfg, run_dir)
     for fmt, variant in (("f32", "f32"), ("nvfp4", "ptq/nvfp4")):
-        again = kv_format_study.evaluate_like_run(_common.with_kv_format(trained, fmt), cfg, 2)
+        again = kv_format_study.evaluate_like_run(with_fields(trained, kv_format=fmt), cfg, 2)
         assert again["task_loss"] == by_variant[variant]["task_loss"]
     assert by_variant["ptq/nvfp4"]["task_loss"] != by_variant["f32"]["task_loss"]
 

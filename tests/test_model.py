@@ -300,3 +300,17 @@ def test_roles_publish_and_reuse_selections(tiny_model):
         not np.array_equal(trace[layer].shared.topk, narrow_trace[layer].shared.topk)
         for layer in reindex
     )
+
+
+def test_with_fields_reads_the_same_parameters_under_another_config(tiny_model):
+    one = model.with_fields(tiny_model, candidate_topk_blocks=1, kv_format="mxfp4")
+    assert (one.config.candidate_topk_blocks, one.config.kv_format) == (1, "mxfp4")
+    assert tiny_model.config.candidate_topk_blocks == 4  # the original keeps its config
+    same = jax.tree.map(lambda a, b: a is b, nnx.state(one), nnx.state(tiny_model))
+    assert all(jax.tree.leaves(same))  # the state is shared, not copied
+    tokens = _tokens(tiny_model.config, 2, 128, seed=3)
+    source = tiny_model.config.candidate_source_layer
+    pools = [m.run(tokens)[1][source].shared.pool.block_ids for m in (one, tiny_model)]
+    assert pools[0].shape[-1] == 1 and pools[1].shape[-1] == 4
+    with pytest.raises(ValueError, match=r"\['dim'\] change the model's parameters"):
+        model.with_fields(tiny_model, dim=32)

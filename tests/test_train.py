@@ -10,6 +10,7 @@ from flax import nnx
 
 from tests._models import FOUR_LAYER_TRAIN, fake_evaluations
 from v41jax import train
+from v41jax.nn.model import with_fields
 from v41jax.train import evaluate
 
 # Small enough to compile and run in seconds on 2 CPU cores: four layers with every role a run
@@ -122,6 +123,18 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         dense=False,
     )
     assert again["task_loss"] == full["task_loss"]
+    # The summary's pool of one block is these weights evaluated with candidate_topk_blocks=1.
+    one = evaluate.evaluate(
+        with_fields(model, candidate_topk_blocks=1),
+        cfg.make_task(),
+        seed=cfg.seed + train.EVAL_SEED_OFFSET,
+        batches=cfg.eval_batches,
+        batch_size=cfg.batch_size,
+        dense=False,
+    )
+    assert model.config.candidate_topk_blocks == 2 and one["task_loss"] != again["task_loss"]
+    assert (full["pool1_accuracy"], full["pool1_task_loss"]) == (one["accuracy"], one["task_loss"])
+    assert "same weights, a pool of one block: " in train.summarize(SMOKE, "full", full)
     with pytest.raises(train.RunDirectoryError, match="step: expected one of"):
         train.load(tmp_path / "full", step=5)
 

@@ -13,7 +13,7 @@ Imports the ops (`v41jax.ops`) and the kernels (`pallas_kernels`), never the tra
 | `attention`   | the CSA2 attention layer (`__call__` for prefill, `decode`)                     |
 | `blocks`      | the residual block (attention + SwiGLU) with `__call__` and `decode`            |
 | `cache`       | the packed decode cache and its builders                                        |
-| `model`       | `Model`, `prefill`, `decode_step`, `parameter_counts`                           |
+| `model`       | `Model`, `prefill`, `decode_step`, `parameter_counts`, `with_fields`            |
 """
 
 from v41jax.nn.attention import Attention
@@ -32,7 +32,14 @@ from v41jax.nn.config import (
     v4_flash,
     v41_flash,
 )
-from v41jax.nn.model import Model, Selections, decode_step, parameter_counts, prefill
+from v41jax.nn.model import (
+    Model,
+    Selections,
+    decode_step,
+    parameter_counts,
+    prefill,
+    with_fields,
+)
 from v41jax.nn.selection import SharedState
 
 __all__ = [
@@ -59,4 +66,5 @@ __all__ = [
     "tiny",
     "v4_flash",
     "v41_flash",
+    "with_fields",
 ]

@@ -308,6 +308,30 @@ def decode_step(
     return step(model, tokens, cache, implementation=implementation, debug=False)
 
 
+def with_fields(model: Model, **changes) -> Model:
+    """The same parameters under a config with other non-parameter fields (the main-KV format,
+    the pool's size, the block score): the graph of a model built with the changed config takes
+    `model`'s state as it is (shared, not copied). ValueError if a change alters the shape or
+    dtype of a parameter.
+
+    Example: post-training quantization of the main KV, or a trained model evaluated with a
+    pool of one block:
+        >>> ptq = with_fields(model, kv_format="nvfp4")
+        >>> one = with_fields(model, candidate_topk_blocks=1)
+    """
+    config = model.config.replace(**changes)
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: Model(config, rngs=nnx.Rngs(0))))
+    state = nnx.state(model)
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), shapes)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+    if want != got:
+        raise ValueError(
+            f"changes: {sorted(changes)} change the model's parameters; expected "
+            "fields that leave them as they are"
+        )
+    return nnx.merge(graphdef, state)
+
+
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
     """Parameters of `Model(config)`, counted on an abstract instance (`nnx.eval_shape`: nothing
     is allocated, so the real V4.1-Flash stack can be counted on a laptop).

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from v41jax.nn import config as config_lib
 from v41jax.nn import sharding
-from v41jax.nn.model import Model, indexer_kls
+from v41jax.nn.model import Model, indexer_kls, with_fields
 from v41jax.train import evaluate as evaluate_lib
 from v41jax.train import rundir
 from v41jax.train import tasks as tasks_lib
@@ -777,8 +777,26 @@ class _Run:
             rundir.save(self.manager, self.trained, self.model, self.optimizer)
         print(f"\ninterrupted: saved step {self.trained} in {self.run_dir}; continue with resume")
 
+    def evaluate_pool_of_one(self) -> dict | None:
+        """The model evaluated as the run evaluates itself, but with a candidate pool of one
+        block (the pinned newest): how much its answers depend on what the pool holds. None
+        where no layer is restricted to a pool, or the pool is one block already."""
+        config = self.model.config
+        restricted = any(plan.uses_candidates for plan in config.layers)
+        if not restricted or config.candidate_topk_blocks == 1:
+            return None
+        return evaluate_lib.evaluate(
+            with_fields(self.model, candidate_topk_blocks=1),
+            self.task,
+            seed=self.cfg.seed + EVAL_SEED_OFFSET,
+            batches=self.cfg.eval_batches,
+            batch_size=self.cfg.batch_size,
+            dense=False,
+        )
+
     def summary(self, step: int) -> dict:
-        """The run's final evaluation (the same weights with dense attention too, when sparse)."""
+        """The run's final evaluation; when sparse, also the same weights with dense attention
+        and with a pool of one block."""
         result = self.result
         if self.evaluated_at != step:
             # A run stopped short of its schedule: this evaluation is the summary's, not a
@@ -793,6 +811,10 @@ class _Run:
                 "dense_accuracy": dense["accuracy"],
                 "dense_task_loss": dense["task_loss"],
             }
+            # And with a pool of one block: whether the answers go through the pool at all (the
+            # layers before the Reindex layers select over every position).
+            if (one := self.evaluate_pool_of_one()) is not None:
+                result |= {"pool1_accuracy": one["accuracy"], "pool1_task_loss": one["task_loss"]}
         return {
             "step": step,
             "train_seconds": self.seconds,
@@ -844,7 +866,10 @@ def run(
         one-device run's within float tolerance (the gradient's sum is taken in another order).
 
     Returns:
-      the final evaluation (see `evaluate.evaluate`) plus 'step', 'stopped_early' (the step or
+      the final evaluation (see `evaluate.evaluate`); for a run that ends sparse, the same
+      weights' 'dense_accuracy' and 'dense_task_loss' (every layer attending to everything) and
+      'pool1_accuracy' and 'pool1_task_loss' (a candidate pool of one block: near the accuracy,
+      the answers do not go through the pool); plus 'step', 'stopped_early' (the step or
       time limit ended the run before `cfg.steps`), 'converged' (its evaluations meet the
       convergence rule, `TrainConfig.converge_accuracy`; it then stops before `cfg.steps`),
       'resumed_from' (the checkpoint step this call continued from, 0 for a fresh run) and
@@ -895,6 +920,12 @@ def summarize(cfg: TrainConfig, run_dir: str | Path, result: dict) -> str:
         lines.append(
             f"  same weights, dense attention:  {result['dense_accuracy']:.1%}  "
             f"(gap {result['dense_accuracy'] - result['accuracy']:+.1%})"
+        )
+    if "pool1_accuracy" in result:
+        lines.append(
+            f"  same weights, a pool of one block: {result['pool1_accuracy']:.1%}  "
+            f"(gap {result['pool1_accuracy'] - result['accuracy']:+.1%}; near 0: the answers "
+            "do not go through the pool)"
         )
     layers = sorted({k.split("/")[0] for k in result if k.endswith("/pool_recall")})
     if layers:
