@@ -98,7 +98,7 @@ if [[ $stage == studies_start || $stage == studies_wait ]]; then
     kill -0 "$pid" 2>/dev/null || break
     sleep 5
   done
-  grep -v "it/s" runs/studies_out/log.txt | grep -E "^==|^run:|accuracy|Error|Traceback" | tail -40
+  grep -v "it/s" runs/studies_out/log.txt | grep -E "^==|^run:|accuracy|pool of one|Error|Traceback" | tail -40
   kill -0 "$pid" 2>/dev/null && echo "studies: still running (pid $pid)" || echo "studies: ended"
   grep -q Traceback runs/studies_out/log.txt && status=1
   pack_studies

@@ -299,6 +299,13 @@ def test_main_job_seeds_target_and_interval():
     assert main_job_seeds.interval([0.5])["ci95"] is None
     table = main_job_seeds.table({"results": records, "target": summary})
     assert table.count("\n") == len(records) + 2 and "| 2/4 |" in table and "100.0%]" in table
+    assert summary["pool1_accuracy"] is None and "| +1.0% | — | yes |" in table  # older reports
+    for r, one in zip(records, [0.5, 1.0, 0.75, 1.0], strict=True):
+        r["pool1_accuracy"] = one
+    summary = main_job_seeds.target_summary(records)
+    assert summary["pool1_accuracy"]["mean"] == 0.8125
+    table = main_job_seeds.table({"results": records, "target": summary})
+    assert "| +1.0% | 50.0% | yes |" in table and "| 81.2% [" in table
 
 
 def test_recipe_sweep_table_counts_seeds_and_steps_to_target():

@@ -777,14 +777,16 @@ class _Run:
             rundir.save(self.manager, self.trained, self.model, self.optimizer)
         print(f"\ninterrupted: saved step {self.trained} in {self.run_dir}; continue with resume")
 
-    def evaluate_pool_of_one(self) -> dict | None:
-        """The model evaluated as the run evaluates itself, but with a candidate pool of one
-        block (the pinned newest): how much its answers depend on what the pool holds. None
-        where no layer is restricted to a pool, or the pool is one block already."""
+    def evaluate_pool_of_one(self, result: dict) -> dict | None:
+        """The model evaluated as the run evaluates itself (`result`, its sparse evaluation),
+        but with a candidate pool of one block (the pinned newest): how much its answers depend
+        on what the pool holds. `result` itself where the pool is one block already; None where
+        no layer is restricted to the pool."""
         config = self.model.config
-        restricted = any(plan.uses_candidates for plan in config.layers)
-        if not restricted or config.candidate_topk_blocks == 1:
+        if not any(plan.uses_candidates for plan in config.layers):
             return None
+        if config.candidate_topk_blocks == 1:
+            return result
         return evaluate_lib.evaluate(
             with_fields(self.model, candidate_topk_blocks=1),
             self.task,
@@ -813,7 +815,7 @@ class _Run:
             }
             # And with a pool of one block: whether the answers go through the pool at all (the
             # layers before the Reindex layers select over every position).
-            if (one := self.evaluate_pool_of_one()) is not None:
+            if (one := self.evaluate_pool_of_one(result)) is not None:
                 result |= {"pool1_accuracy": one["accuracy"], "pool1_task_loss": one["task_loss"]}
         return {
             "step": step,
