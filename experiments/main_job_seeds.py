@@ -107,11 +107,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _common.add_arguments(parser)
     parser.add_argument("--print", type=argparse.FileType(), help="print the table of a report")
-    parser.add_argument(
-        "--group-size",
-        type=int,
-        help="seeds trained together in one program (default: all on a GPU, 1 on the CPU)",
-    )
     args = parser.parse_args(argv)
     if args.print:
         print(table(json.load(args.print)))

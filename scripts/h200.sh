@@ -60,7 +60,9 @@ fi
 restore=(${RESTORE-experiments/results/block_score_4k_ratio*_h200_*.json})
 studies_argv=(experiments/long_context_studies.py --study ${STUDY:-block_score}
               ${restore[@]:+--restore "${restore[@]}"} ${STUDY_ARGS:-})
-export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=runs/jax_cache
+if [[ $stage == studies* ]]; then
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=runs/jax_cache
+fi
 pack_studies() {  # what comes back: studies.tgz (the combined reports, figures, the phases'
   # own reports and the log); jax_cache.tgz with PACK_CACHE=1 (the compilation cache: unpacked
   # here as runs/jax_cache and carried to the next machine, it saves the compiles, about a

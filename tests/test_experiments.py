@@ -13,6 +13,7 @@ from experiments import (
     kv_format_study,
     long_context_studies,
     long_context_task,
+    main_job_seeds,
     merge_reports,
     pool_size_sweep,
     study_tables,
@@ -77,7 +78,9 @@ def test_summary_is_mean_and_sample_std_over_seeds_per_variant():
     assert summary["b"] == {}
 
 
-@pytest.mark.parametrize("script", [block_score_ablation, kv_format_study, pool_size_sweep])
+@pytest.mark.parametrize(
+    "script", [block_score_ablation, kv_format_study, pool_size_sweep, main_job_seeds]
+)
 def test_smoke_outputs_never_go_to_the_results_folder(script):
     with pytest.raises(SystemExit, match="not results"):
         script.main(["--smoke", "--out-dir", str(_common.RESULTS_DIR)])
@@ -284,8 +287,6 @@ def test_intervals_print_the_summarys_mean_and_t_interval():
 
 
 def test_main_job_seeds_target_and_interval():
-    from experiments import main_job_seeds
-
     records = [
         {"seed": s, "step": 400, "accuracy": a, "dense_accuracy": d, "stopped_early": False}
         for s, (a, d) in enumerate([(0.96, 0.97), (0.99, 1.0), (0.94, 0.94), (0.97, 1.0)])
