@@ -926,8 +926,8 @@ def summarize(cfg: TrainConfig, run_dir: str | Path, result: dict) -> str:
     if "pool1_accuracy" in result:
         lines.append(
             f"  same weights, a pool of one block: {result['pool1_accuracy']:.1%}  "
-            f"(gap {result['pool1_accuracy'] - result['accuracy']:+.1%}; near 0: the answers "
-            "do not go through the pool)"
+            f"(gap {result['pool1_accuracy'] - result['accuracy']:+.1%}: how much the answers "
+            "need the pool)"
         )
     layers = sorted({k.split("/")[0] for k in result if k.endswith("/pool_recall")})
     if layers:
