@@ -382,7 +382,6 @@ def strip(
     label: str | None = None,
     marker: str = "o",
     log: bool = False,
-    **style,
 ) -> None:
     """Seeds as dots spread around `x`, their mean as a short horizontal bar; on a log x axis
     (`log`) the spread is a factor, so the dots stay beside their own x at every scale."""
@@ -395,7 +394,7 @@ def strip(
         if log
         else (x + offsets, (x - 0.12, x + 0.12))
     )
-    ax.scatter(xs, ys, color=color, marker=marker, s=22, zorder=3, label=label, **style)
+    ax.scatter(xs, ys, color=color, marker=marker, s=22, zorder=3, label=label)
     ax.hlines(np.mean(ys), *bar, color=color, lw=2, zorder=2)
 
 

@@ -142,10 +142,8 @@ def plot(report: dict, path) -> None:
         xs, ys = per_fraction(metric)
         first = next((x for x, y in zip(xs, ys, strict=True) if y), None)
         for x, y in zip(xs, ys, strict=True):
-            _common.strip(
-                acc_ax, x, y, color=color, marker=marker, log=True,
-                label=label if x == first else None,
-            )  # fmt: skip
+            shown = label if x == first else None
+            _common.strip(acc_ax, x, y, color=color, marker=marker, log=True, label=shown)
     dense = [r["accuracy"] for r in records if r["variant"] == REFERENCE]
     if dense:
         acc_ax.axhline(np.mean(dense), color="C7", ls="--", lw=1, label="dense run (mean)")

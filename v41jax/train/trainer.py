@@ -690,14 +690,7 @@ class _Run:
     def evaluate(self, step: int, *, dense: bool | None = None, record: bool = True) -> dict:
         """Evaluates in the step's attention mode (kept as the run's result, and recorded when
         `record`), or in the mode `dense` asks (returned only)."""
-        result = evaluate_lib.evaluate(
-            self.model,
-            self.task,
-            seed=self.cfg.seed + EVAL_SEED_OFFSET,
-            batches=self.cfg.eval_batches,
-            batch_size=self.cfg.batch_size,
-            dense=self.cfg.dense_at(step) if dense is None else dense,
-        )
+        result = self._evaluate(self.model, self.cfg.dense_at(step) if dense is None else dense)
         if dense is None:
             self.result, self.evaluated_at = result, step
             if record:
@@ -787,13 +780,17 @@ class _Run:
             return None
         if config.candidate_topk_blocks == 1:
             return result
+        return self._evaluate(with_fields(self.model, candidate_topk_blocks=1), dense=False)
+
+    def _evaluate(self, model: Model, dense: bool) -> dict:
+        """`model` on the run's held-out batches (those of every evaluation of the run)."""
         return evaluate_lib.evaluate(
-            with_fields(self.model, candidate_topk_blocks=1),
+            model,
             self.task,
             seed=self.cfg.seed + EVAL_SEED_OFFSET,
             batches=self.cfg.eval_batches,
             batch_size=self.cfg.batch_size,
-            dense=False,
+            dense=dense,
         )
 
     def summary(self, step: int) -> dict:
