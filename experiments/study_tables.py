@@ -5,11 +5,13 @@ the JSON's, never retyped.
     python3 experiments/study_tables.py experiments/results/block_score_ablation.json
     python3 experiments/study_tables.py experiments/results/kv_format_study.json
     python3 experiments/study_tables.py --metrics accuracy evidence_in_pool -- <report.json>
+    python3 experiments/study_tables.py --reference mean -- <report.json>   # pairs against mean
 
 Each table: one row per variant with mean ± sample std over seeds (the JSON's `summary`), the
 per-seed accuracies, and the steps each run trained (a run a time cap stopped short is flagged).
 Where the report names a reference variant (`config["reference"]`), a second table gives each
-variant's paired difference from it, seed by seed, with a 95 % t-interval. A pair is one seed's
+variant's paired difference from it, seed by seed, with a 95 % t-interval (`--reference V`
+pairs against variant V instead). A pair is one seed's
 two runs from the same starting weights: in `long_context_studies.py`'s reports, runs from the
 same prefix instance (`prefix_instance`); a variant with no such pair says so. Where the records
 hold `pool1_accuracy`, a third table asks whether the answers go through the pool: each run's
@@ -247,6 +249,12 @@ def main() -> None:
         help="print only these metrics of each variant, mean with its 95 %% t-interval over "
         "seeds (e.g. accuracy evidence_in_pool pool1_accuracy task_loss)",
     )
+    parser.add_argument(
+        "--reference",
+        metavar="VARIANT",
+        help="pair every variant against this one (default: the report's own reference, "
+        "config['reference'])",
+    )
     args = parser.parse_args()
     for path in args.paths:
         report = json.loads(path.read_text())
@@ -263,7 +271,13 @@ def main() -> None:
             continue
         print(table(report, order))
         print()
-        reference = report["config"].get("reference")
+        reference = args.reference or report["config"].get("reference")
+        known = {r["variant"] for r in report["results"]}
+        if args.reference and args.reference not in known:
+            parser.error(
+                f"--reference: expected one of the variants of {path} ({sorted(known)}), "
+                f"got {args.reference!r}"
+            )
         if reference and (lines := paired(report, reference, order)):
             print(lines)
             print()

@@ -257,6 +257,56 @@ def test_paired_differences_pair_runs_from_the_same_prefix_instance_only():
     assert lines[2] == "| fp8 | -25.0 [—] | -25.0 … -25.0 | +0.5000 [—] | 1 |"
 
 
+def test_study_tables_reference_option_pairs_against_the_variant_named(
+    tmp_path, monkeypatch, capsys
+):
+    records = [
+        {
+            "variant": v,
+            "seed": s,
+            "step": 50,
+            "accuracy": a,
+            "task_loss": 0.0,
+            "evidence_in_pool": e,
+        }
+        for v, s, a, e in [
+            ("max", 0, 0.5, 0.75),
+            ("max", 1, 1.0, 0.5),
+            ("mean", 0, 0.75, 0.25),
+            ("mean", 1, 0.75, 0.0),
+            ("top2", 0, 1.0, 0.5),
+            ("top2", 1, 0.5, 0.5),
+        ]
+    ]
+    config = {"experiment": "block_score_ablation", "seeds": [0, 1], "device": "cpu"}
+    report = {
+        "config": {**config, "reference": "max", "reindex_layers": []},
+        "results": records,
+        "summary": _common.summarize(records),
+    }
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+
+    def printed(*argv):
+        monkeypatch.setattr("sys.argv", ["study_tables.py", *argv])
+        study_tables.main()
+        return capsys.readouterr().out
+
+    by_default = printed(str(path))
+    assert "Δ accuracy vs max" in by_default and "Δ accuracy vs mean" not in by_default
+    lines = printed("--reference", "mean", "--", str(path)).splitlines()
+    header = next(i for i, line in enumerate(lines) if "Δ accuracy vs mean" in line)
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines[header + 2 : header + 4]}
+    assert set(rows) == {"max", "top2"}
+    # top2 - mean, seed by seed: accuracy +25 and -25 points; evidence +25 and +50 points.
+    half = stats.t.ppf(0.975, 1) * stats.tstd([25.0, 50.0]) / 2**0.5
+    assert rows["top2"].startswith("| top2 | +0.0 [")
+    assert f"| +37.5 [{37.5 - half:+.1f}, {37.5 + half:+.1f}] | 2 |" in rows["top2"]
+    with pytest.raises(SystemExit):
+        printed("--reference", "median", "--", str(path))
+    assert "--reference: expected one of the variants" in capsys.readouterr().err
+
+
 def test_through_the_pool_is_the_same_weights_with_a_pool_of_one_block():
     records = [
         {"variant": "max", "seed": 0, "accuracy": 0.9, "pool1_accuracy": 0.5},
