@@ -64,14 +64,17 @@ if [[ $stage == studies* ]]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=runs/jax_cache
 fi
 pack_studies() {  # what comes back: studies.tgz (the combined reports, figures, the phases'
-  # own reports and the log); jax_cache.tgz with PACK_CACHE=1 (the compilation cache: unpacked
-  # here as runs/jax_cache and carried to the next machine, it saves the compiles, about a
-  # minute a program, while the code is unchanged)
+  # own reports and the log); with PACK_CACHE=1 also the compilation cache, in parts of 15 MiB
+  # (a file over 16 MiB does not come back; the cache of one session's plan was 27 MB packed):
+  # jax_cache.tgz.part00, part01, ... Unpacked here (`cat <files_at>/jax_cache.tgz.part* | tar
+  # xzf - -C runs`) and carried to the next machine (the device tool's carry: runs/jax_cache),
+  # it saves the compiles, about 1.5 minutes for each of the prefix's three stages and one for
+  # each phase, while the code is unchanged. Take it on the last call only: it grows each call.
   local reports=()
   [[ -d runs/long_context_studies/reports ]] && reports=(-C ../long_context_studies reports)
   tar czf "$OUT/studies.tgz" -C runs/studies_out . "${reports[@]}"
   if [[ ${PACK_CACHE:-0} == 1 && -d runs/jax_cache ]]; then
-    tar czf "$OUT/jax_cache.tgz" -C runs jax_cache
+    tar czf - -C runs jax_cache | split -b 15M -d - "$OUT/jax_cache.tgz.part"
   fi
 }
 if [[ $stage == studies ]]; then
