@@ -11,9 +11,9 @@ Each table: one row per variant with mean ± sample std over seeds (the JSON's `
 per-seed accuracies, and the steps each run trained (a run a time cap stopped short is flagged).
 Where the report names a reference variant (`config["reference"]`), a second table gives each
 variant's paired difference from it, seed by seed, with a 95 % t-interval (`--reference V`
-pairs against variant V instead). A pair is one seed's
-two runs from the same starting weights: in `long_context_studies.py`'s reports, runs from the
-same prefix instance (`prefix_instance`); a variant with no such pair says so. Where the records
+pairs against variant V instead). A pair is one seed's two runs from the same starting weights:
+in `long_context_studies.py`'s reports, runs from the same prefix instance (`prefix_instance`);
+a variant with no such pair says so. Where the records
 hold `pool1_accuracy`, a third table asks whether the answers go through the pool: each run's
 accuracy with a pool of one block against its accuracy as trained, the same weights.
 """
@@ -258,6 +258,12 @@ def main() -> None:
     args = parser.parse_args()
     for path in args.paths:
         report = json.loads(path.read_text())
+        known = {r["variant"] for r in report["results"]}
+        if args.reference and args.reference not in known:
+            parser.error(
+                f"--reference: expected one of the variants of {path} ({sorted(known)}), "
+                f"got {args.reference!r}"
+            )
         experiment = report["config"]["experiment"]
         kv_study = experiment == "kv_format_study"
         order = format_order(report["config"]["formats"]) if kv_study else None
@@ -272,12 +278,6 @@ def main() -> None:
         print(table(report, order))
         print()
         reference = args.reference or report["config"].get("reference")
-        known = {r["variant"] for r in report["results"]}
-        if args.reference and args.reference not in known:
-            parser.error(
-                f"--reference: expected one of the variants of {path} ({sorted(known)}), "
-                f"got {args.reference!r}"
-            )
         if reference and (lines := paired(report, reference, order)):
             print(lines)
             print()
