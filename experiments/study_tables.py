@@ -6,6 +6,7 @@ the JSON's, never retyped.
     python3 experiments/study_tables.py experiments/results/kv_format_study.json
     python3 experiments/study_tables.py --metrics accuracy evidence_in_pool -- <report.json>
     python3 experiments/study_tables.py --reference mean -- <report.json>   # pairs against mean
+    python3 experiments/study_tables.py --only paired -- <report.json>      # one table of each
 
 Each table: one row per variant with mean ± sample std over seeds (the JSON's `summary`), the
 per-seed accuracies, and the steps each run trained (a run a time cap stopped short is flagged).
@@ -239,7 +240,10 @@ def format_order(formats: Sequence[str]) -> Callable[[str], tuple]:
     return key
 
 
-def main() -> None:
+TABLES = ("summary", "paired", "pool-of-one")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path, help="study reports (JSON)")
     parser.add_argument(
@@ -255,7 +259,15 @@ def main() -> None:
         help="pair every variant against this one (default: the report's own reference, "
         "config['reference'])",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=TABLES,
+        default=TABLES,
+        metavar="TABLE",
+        help=f"print only these of each report's tables ({', '.join(TABLES)}; default: all)",
+    )
+    args = parser.parse_args(argv)
     for path in args.paths:
         report = json.loads(path.read_text())
         known = {r["variant"] for r in report["results"]}
@@ -275,13 +287,16 @@ def main() -> None:
             print(intervals(report, args.metrics, order))
             print()
             continue
-        print(table(report, order))
-        print()
+        if "summary" in args.only:
+            print(table(report, order))
+            print()
         reference = args.reference or report["config"].get("reference")
-        if reference and (lines := paired(report, reference, order)):
+        if "paired" in args.only and reference and (lines := paired(report, reference, order)):
             print(lines)
             print()
-        if any(r.get("pool1_accuracy") is not None for r in report["results"]):
+        if "pool-of-one" in args.only and any(
+            r.get("pool1_accuracy") is not None for r in report["results"]
+        ):
             print(through_the_pool(report, order))
             print()
 

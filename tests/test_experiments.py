@@ -22,6 +22,7 @@ from v41jax import train
 from v41jax.nn import config as config_lib
 from v41jax.nn.model import with_fields
 
+REPO = Path(__file__).resolve().parents[1]
 POOL_METRICS = (
     "pool_recall",
     "pool_recall_random",
@@ -305,6 +306,46 @@ def test_study_tables_reference_option_pairs_against_the_variant_named(
     with pytest.raises(SystemExit):
         printed("--reference", "median", "--", str(path))
     assert "--reference: expected one of the variants" in capsys.readouterr().err
+    only_paired = printed("--only", "paired", "--", str(path))
+    assert "Δ accuracy vs max" in only_paired and "| steps |" not in only_paired
+    assert only_paired.startswith(f"{path} (block_score_ablation")
+    assert printed("--only", *study_tables.TABLES, "--", str(path)) == by_default
+
+
+def test_the_tables_printed_in_the_experiments_readme_are_the_scripts_output(
+    capsys, monkeypatch
+):
+    """Every fenced block of experiments/README.md that shows study tables is preceded by the
+    commands that print it (`<!-- printed by: python3 experiments/study_tables.py ... -->`, one
+    line each, outputs concatenated): the numbers are the committed JSON's, not retyped."""
+    monkeypatch.chdir(REPO)  # the commands name the reports from the repository root
+    lines = (REPO / "experiments" / "README.md").read_text().splitlines()
+    fences = [i for i, line in enumerate(lines) if line.startswith("```")]
+    checked = 0
+    for start, end in zip(fences[::2], fences[1::2], strict=True):
+        commands = []
+        above = start - 1
+        while above >= 0 and lines[above].startswith("<!-- printed by: "):
+            commands.insert(0, lines[above].removeprefix("<!-- printed by: ").removesuffix(" -->"))
+            above -= 1
+        block = "\n".join(lines[start + 1 : end])
+        if not commands:
+            assert not block.startswith("experiments/results/"), (
+                f"experiments/README.md line {start + 1}: a block of study tables without the "
+                "'<!-- printed by: ... -->' line of the command that prints it"
+            )
+            continue
+        printed = []
+        for command in commands:
+            program, script, *argv = command.split()
+            assert (program, script) == ("python3", "experiments/study_tables.py"), command
+            study_tables.main(argv)
+            printed.append(capsys.readouterr().out)
+        assert "".join(printed).rstrip("\n") == block, (
+            f"experiments/README.md line {start + 1}: the block differs from what {commands} print"
+        )
+        checked += 1
+    assert checked >= 3
 
 
 def test_through_the_pool_is_the_same_weights_with_a_pool_of_one_block():
