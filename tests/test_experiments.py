@@ -312,9 +312,7 @@ def test_study_tables_reference_option_pairs_against_the_variant_named(
     assert printed("--only", *study_tables.TABLES, "--", str(path)) == by_default
 
 
-def test_the_tables_printed_in_the_experiments_readme_are_the_scripts_output(
-    capsys, monkeypatch
-):
+def test_the_tables_printed_in_the_experiments_readme_are_the_scripts_output(capsys, monkeypatch):
     """Every fenced block of experiments/README.md that shows study tables is preceded by the
     commands that print it (`<!-- printed by: python3 experiments/study_tables.py ... -->`, one
     line each, outputs concatenated): the numbers are the committed JSON's, not retyped."""
