@@ -295,6 +295,28 @@ def t_interval(values: Sequence[float]) -> list[float] | None:
     return [float(xs.mean()) - half, float(xs.mean()) + half]
 
 
+def pair_key(record: dict) -> tuple:
+    """What makes two records of a study a pair: the seed and the weights the runs started from
+    (`prefix_instance`; None where a report has one starting point for all)."""
+    return record["seed"], record.get("prefix_instance")
+
+
+def pairs(records: list[dict], variant: str, reference: str) -> list[tuple[dict, dict]]:
+    """(record of `variant`, record of `reference`) for every run of `variant` that has a run of
+    `reference` from the same starting weights (`pair_key`), in the order of `records`."""
+    ref = {pair_key(r): r for r in records if r["variant"] == reference}
+    own = [r for r in records if r["variant"] == variant]
+    return [(r, ref[pair_key(r)]) for r in own if pair_key(r) in ref]
+
+
+def paired_differences(
+    pairs_: list[tuple[dict, dict]], key: str, scale: float = 1.0
+) -> list[float]:
+    """scale · (variant − reference) of `key` per pair, leaving out pairs where either run has
+    no value."""
+    return [scale * (r[key] - f[key]) for r, f in pairs_ if None not in (r.get(key), f.get(key))]
+
+
 def _mean_std(values: list) -> dict:
     """Mean, sample std and 95 % t-interval (None for one value) and count of the non-None
     numbers."""

@@ -127,7 +127,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def plot(report: dict, path) -> None:
     """Accuracy, task loss and pool recall (mean over the Reindex layers) per format, QAT beside
-    PTQ; the f32 reference as its own column and a dashed line; seeds as dots."""
+    PTQ, the f32 reference as its own column and a dashed line; then each variant's accuracy
+    minus the f32 run's of the same seed, in points, with its 95 % t-interval (the question the
+    study asks, at a scale where the differences show). Seeds as dots."""
     records, config = report["results"], report["config"]
     layers = config["reindex_layers"]
     panels = (
@@ -139,13 +141,17 @@ def plot(report: dict, path) -> None:
             lambda r: _common.layer_mean(r, layers, "pool_recall"),
         ),
     )
-    fig, axes = _common.subplots(len(panels), 16)
+    fig, axes = _common.subplots(len(panels) + 1, 21)
     formats = config["formats"]
-    for ax, (key, title, metric) in zip(axes, panels, strict=True):
+    modes = ((-0.17, "qat", "C0"), (0.17, "ptq", "C1"))
+    for ax, (key, title, metric) in zip(axes[:-1], panels, strict=True):
+        labelled = set()
         for x, fmt in enumerate(formats):
-            for dx, mode, color in ((-0.17, "qat", "C0"), (0.17, "ptq", "C1")):
+            for dx, mode, color in modes:
                 ys = [metric(r) for r in records if r["variant"] == f"{mode}/{fmt}"]
-                label = f"{mode.upper()}" if x == 0 else None
+                label = None
+                if mode not in labelled and any(y is not None for y in ys):
+                    label, _ = mode.upper(), labelled.add(mode)
                 _common.strip(ax, x + dx, ys, color=color, label=label)
         reference = [metric(r) for r in records if r["variant"] == REFERENCE]
         _common.strip(ax, len(formats), reference, color="C7", label=f"{REFERENCE} reference")
@@ -157,10 +163,41 @@ def plot(report: dict, path) -> None:
             ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+
+    ax = axes[-1]
+    ax.axhline(0, color="C7", ls="--", lw=1)
+    labelled = set()
+    for x, fmt in enumerate(formats):
+        for dx, mode, color in modes:
+            pairs = _common.pairs(records, f"{mode}/{fmt}", REFERENCE)
+            d = _common.paired_differences(pairs, "accuracy", 100)
+            _common.strip(ax, x + dx, d, color=color)
+            ci = _common.t_interval(d)
+            if ci is not None:
+                label = None
+                if mode not in labelled:
+                    label, _ = f"{mode.upper()}: mean, 95 % t-interval", labelled.add(mode)
+                ax.errorbar(
+                    x + dx + 0.1,
+                    np.mean(d),
+                    yerr=[[np.mean(d) - ci[0]], [ci[1] - np.mean(d)]],
+                    color=color,
+                    capsize=3,
+                    lw=1.5,
+                    label=label,
+                )
+    ax.set(
+        title=f"accuracy − {REFERENCE} run of the same seed (points)",
+        xticks=range(len(formats)),
+        xticklabels=formats,
+    )
+    ax.grid(alpha=0.3)
+    if labelled:
+        ax.legend(fontsize=7)
     train_config = config["train_config"]
     fig.suptitle(
         f"main-KV format: {train_config['preset']} on {train_config['task']}, "
-        f"{train_config['steps']} steps, {_common.figure_note(report)}",
+        f"{_common.steps_note(train_config)}, {_common.figure_note(report)}",
         fontsize=10,
     )
     _common.save_figure(fig, path)

@@ -13,7 +13,7 @@ per-seed accuracies, and the steps each run trained (a run a time cap stopped sh
 Where the report names a reference variant (`config["reference"]`), a second table gives each
 variant's paired difference from it, seed by seed, with a 95 % t-interval (`--reference V`
 pairs against variant V instead). A pair is one seed's two runs from the same starting weights:
-in `long_context_studies.py`'s reports, runs from the same prefix instance (`prefix_instance`);
+in `long_context_studies.py`'s reports, runs from the same prefix instance (`_common.pair_key`);
 a variant with no such pair says so. Where the records
 hold `pool1_accuracy`, a third table asks whether the answers go through the pool: each run's
 accuracy with a pool of one block against its accuracy as trained, the same weights.
@@ -132,7 +132,6 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
     batches): accuracy in points and task loss, the mean over seeds with its 95 % t-interval
     (over the paired differences; '—' with one pair), and the accuracy differences' range."""
     records = report["results"]
-    ref = {_pair_key(r): r for r in records if r["variant"] == reference}
     variants = [v for v in dict.fromkeys(r["variant"] for r in records) if v != reference]
     if not variants:
         return ""
@@ -147,17 +146,14 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
         header += "| Δ evidence in pool (points): mean [95 % CI] "
     lines = [header + "| seeds |", "|---" * (len(metrics) + 3) + "|"]
     for variant in variants:
-        own = [r for r in records if r["variant"] == variant]
-        pairs = [(r, ref[_pair_key(r)]) for r in own if _pair_key(r) in ref]
+        pairs = _common.pairs(records, variant, reference)
         if not pairs:
             note = f"— (no run of {reference} from the same starting weights)"
             lines.append(f"| {variant} | {' | '.join([note] + ['—'] * len(metrics))} | 0 |")
             continue
         cells = []
         for key, scale, fmt in metrics:
-            d = [
-                scale * (r[key] - f[key]) for r, f in pairs if None not in (r.get(key), f.get(key))
-            ]
+            d = _common.paired_differences(pairs, key, scale)
             if not d:
                 cells.append("—")
                 continue
@@ -168,12 +164,6 @@ def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = 
                 cells.append(f"{min(d):{fmt}} … {max(d):{fmt}}")
         lines.append(f"| {variant} | {' | '.join(cells)} | {len(pairs)} |")
     return "\n".join(lines)
-
-
-def _pair_key(record: dict) -> tuple:
-    """What makes two records a pair: the seed and the weights the runs started from (None
-    where a report has one starting point for all)."""
-    return record["seed"], record.get("prefix_instance")
 
 
 def through_the_pool(report: dict, order: Callable[[str], tuple] | None = None) -> str:
