@@ -5,9 +5,26 @@
 long run or the H200. Tests that set `max_examples` themselves keep their own.
 """
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 from pathlib import Path
+
+from tests import _xla_env
+
+# Before jax starts (its configuration reads the environment when imported); xdist workers
+# start after this ran in the controller and inherit it, so they share one cache directory.
+if _xla_env.cpu_only() and os.environ.get("V41JAX_TEST_XLA_OPT") != "1":
+    _flags = os.environ.get("XLA_FLAGS", "").split()
+    _flags += [f for f in _xla_env.FAST_COMPILE if f not in _flags]
+    os.environ["XLA_FLAGS"] = " ".join(_flags)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="v41jax-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import jax
 import pytest
@@ -25,11 +42,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # 8 simulated CPU devices (and V41JAX_MULTIDEVICE=1); a normal run does not collect it.
 collect_ignore = [] if os.environ.get("V41JAX_MULTIDEVICE") == "1" else ["multidevice"]
 
-# The longest items first: pytest-xdist hands items out in collection order, and the 8-device
+# The longest items first: pytest-xdist hands items out in collection order, and an 8-device
 # subprocess (several minutes on one worker) collected last would leave the other worker idle
 # at the end. Started first, it runs beside everything else.
 LONGEST_FIRST = (
-    "tests/test_multidevice.py::test_the_multidevice_tests_pass_on_8_simulated_cpu_devices",
+    "tests/test_multidevice.py::test_the_multidevice_tests_pass_on_8_simulated_cpu_devices[the-rest]",
+    "tests/test_multidevice.py::test_the_multidevice_tests_pass_on_8_simulated_cpu_devices[data-parallel]",
     "tests/test_multidevice.py::test_a_data_parallel_run_across_two_processes_equals_one_device",
 )
 
