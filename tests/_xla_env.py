@@ -11,7 +11,9 @@ at XLA's default level; `V41JAX_TEST_XLA_OPT=1` runs the suite that way too.
 
 Each session also shares one persistent compilation cache among its processes (the xdist
 workers and the subprocesses of the CLI, fuzz, notebook and multi-device tests), so a program
-one process compiled loads in the others.
+one process compiled loads in the others. Both together, with tests/multidevice split in two
+items: the whole suite (`pytest -n 2`) took 1,285 s instead of 1,877 s on this project's 2-core
+workplace (2026-12-02, the same checkout, one run each).
 """
 
 import os
