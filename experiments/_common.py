@@ -295,6 +295,12 @@ def t_interval(values: Sequence[float]) -> list[float] | None:
     return [float(xs.mean()) - half, float(xs.mean()) + half]
 
 
+def commits(config: dict) -> list[str]:
+    """A report's commit: one (a process's report) or several (a combined or merged one)."""
+    commit = config["commit"]
+    return [commit] if isinstance(commit, str) else list(commit)
+
+
 def pair_key(record: dict) -> tuple:
     """What makes two records of a study a pair: the seed and the weights the runs started from
     (`prefix_instance`; None where a report has one starting point for all)."""

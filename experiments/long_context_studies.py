@@ -362,12 +362,6 @@ def run_ptq(plan: Plan, phase: Phase) -> None:
     _common.write_report(path, config, records)
 
 
-def _commits(config: dict) -> list[str]:
-    """A report's commit: one (a phase's report) or several (a combined or restored one)."""
-    commit = config["commit"]
-    return [commit] if isinstance(commit, str) else list(commit)
-
-
 def restore(plan: Plan, combined: Path) -> list[str]:
     """Phase reports, in the work directory, from a committed combined report (`_combined`'s
     output, e.g. one a lent machine wrote before it was given back), so that its finished
@@ -432,7 +426,7 @@ def _combined(
     config = dict(found[0][1]["config"])
     config["experiment"] = experiment
     config["argv"] = [rep["config"]["argv"] for _, rep in found]
-    config["commit"] = sorted({c for _, rep in found for c in _commits(rep["config"])})
+    config["commit"] = sorted({c for _, rep in found for c in _common.commits(rep["config"])})
     notes = dict.fromkeys(n for _, rep in found if (n := rep["config"].get("commit_note")))
     if notes:
         config["commit_note"] = " ".join(notes)

@@ -111,6 +111,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return report
 
 
+def _instances(records: list[dict], fractions: Sequence[float]) -> list[tuple[str, ...]]:
+    """Per pool fraction, the prefix instances its runs started from (empty where the records
+    name none: one starting point for all)."""
+    return [
+        tuple(
+            dict.fromkeys(
+                r["prefix_instance"]
+                for r in records
+                if r.get("pool_fraction") == f and r.get("prefix_instance")
+            )
+        )
+        for f in fractions
+    ]
+
+
 def plot(report: dict, path) -> None:
     """Against the pool's fraction of the source's positions (log scale): accuracy with the pool
     (seeds as dots), the same weights with a pool of one block where the records have it, and
@@ -170,17 +185,29 @@ def plot(report: dict, path) -> None:
             )
         axes[3].plot(sized, sized, ":", color="C7", label="the pool's share of the positions")
         panels.append((axes[3], "answer's evidence in the pool (queries beyond it)"))
+    ticks = [f"1/{1 / f:.3g}" if f < 1 else "1" for f in sized]
+    instances = _instances(records, sized)
+    if len(set(instances)) > 1:  # pools of several prefix instances: say which is which
+        names = [" ".join(n[:6] for n in i) or "?" for i in instances]
+        ticks = [f"{t}\n{n}" for t, n in zip(ticks, names, strict=True)]
     for ax, title in panels:
         ax.set(title=title, xscale="log", xlabel="pool / source positions", ylim=(0, 1.02))
         ax.set_xlim(sized[0] / 1.5, sized[-1] * 1.5)
-        ax.set_xticks(sized, [f"1/{1 / f:.3g}" if f < 1 else "1" for f in sized])
+        ax.set_xticks(sized, ticks)
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
+    several = len(set(instances)) > 1
     fig.suptitle(
         f"pool size: {config['train_config']['preset']} on {config['train_config']['task']}, "
-        f"{config['source_positions']} source positions, {_common.figure_note(report)}",
+        f"{config['source_positions']} source positions, {_common.figure_note(report)}"
+        + (
+            "\nunder each pool: its prefix instance, first 6 hex digits ('?': a report older "
+            "than instance names); pools of different instances are not paired"
+            if several
+            else ""
+        ),
         fontsize=10,
     )
     _common.save_figure(fig, path)

@@ -124,7 +124,25 @@ def table(report: dict, order: Callable[[str], tuple] | None = None) -> str:
         "",
         f"Per seed (accuracy %, {' / '.join(variants)}): " + ", ".join(per_seed) + ".",
     ]
+    if instances := _instances(records, variants):
+        lines += ["", instances]
     return "\n".join(lines)
+
+
+def _instances(records: list[dict], variants: Sequence[str]) -> str:
+    """Where the records come from more than one prefix instance (`long_context_studies.py`):
+    each variant's, so that a reader knows which rows pair ('' otherwise)."""
+    names = {
+        v: list(dict.fromkeys(r.get("prefix_instance") for r in records if r["variant"] == v))
+        for v in variants
+    }
+    if len({i for found in names.values() for i in found}) < 2:
+        return ""
+    cells = [f"{v} {' '.join(i or '(unnamed)' for i in found)}" for v, found in names.items()]
+    return (
+        "Prefix instances (runs pair only within one; unnamed: a report older than instance "
+        "names): " + ", ".join(cells) + "."
+    )
 
 
 def paired(report: dict, reference: str, order: Callable[[str], tuple] | None = None) -> str:

@@ -655,3 +655,105 @@ def test_long_context_studies_kv_smoke_trains_from_the_f32_prefix_and_resumes(tm
     assert long_context_studies.main(argv) == 0
     assert "== " not in capsys.readouterr().out
     assert {p.name: p.read_text() for p in out.glob("*.json")} == before
+
+
+def _session(phases: dict[str, tuple], instance: str | None, **config) -> dict:
+    """A long_context_studies pool-size report of one session: `phases` maps a phase to its
+    (blocks, accuracies by seed); the config is the first phase's, as `_combined` writes it."""
+    first = next(iter(phases.values()))[0]
+    base = {
+        "experiment": "pool_size_sweep",
+        "plan": "experiments/long_context_studies.py",
+        "phases": ["ratio64-max", "ratio16-max", "ratio4-max", "ratio16-dense"],
+        "seeds": [0, 1],
+        "argv": [[name] for name in phases],
+        "runs_dir": f"runs/{first}",
+        "commit": [f"c{first}"],
+        "max_minutes": float(first),
+        "distance_edges": sorted({64, first * 8}),
+        "prefix_instances": dict.fromkeys(phases, instance),
+        "reference": "dense",
+        "reindex_layers": ["layer6"],
+        "train_config": {
+            "preset": "tiny",
+            "task": "multi_passkey",
+            "steps": 300,
+            "model_overrides": {"candidate_topk_blocks": first},
+        },
+        "source_positions": 4096,
+        "device": "cpu",
+        "smoke": False,
+        "model_config": {"candidate_topk_blocks": first, "window_size": 64},
+        "partial": True,
+    } | config
+    records = [
+        {
+            "variant": "dense" if name.endswith("dense") else f"pool{blocks}",
+            "seed": seed,
+            "step": 50,
+            "accuracy": accuracy,
+            "phase": name,
+            "prefix_instance": instance,
+        }
+        | ({} if name.endswith("dense") else {"pool_fraction": blocks * 8 / 4096})
+        for name, (blocks, accuracies) in phases.items()
+        for seed, accuracy in enumerate(accuracies)
+    ]
+    return {"config": base, "results": records}
+
+
+def test_merge_reports_joins_the_sessions_of_a_study_plan(tmp_path):
+    one = _session({"ratio4-max": (128, [0.9, 0.8]), "ratio16-max": (32, [0.7, 0.6])}, "a")
+    two = _session({"ratio64-max": (8, [0.5, 0.4])}, None)
+    config, records = merge_reports.merge([one, two])
+    # The sweep's order (by pool size), each seed's records after it; instances kept.
+    assert [(r["variant"], r["seed"], r["prefix_instance"]) for r in records] == [
+        ("pool8", 0, None),
+        ("pool8", 1, None),
+        ("pool32", 0, "a"),
+        ("pool32", 1, "a"),
+        ("pool128", 0, "a"),
+        ("pool128", 1, "a"),
+    ]
+    assert config["prefix_instances"] == {
+        "ratio4-max": "a",
+        "ratio16-max": "a",
+        "ratio64-max": None,
+    }
+    assert config["commit"] == ["c128", "c8"] and config["seeds"] == [0, 1]
+    assert config["partial"]  # ratio16-dense has no record
+    assert config["distance_edges"] is None  # each phase's own: no one value holds
+    assert "max_minutes" not in config
+    dense = _session({"ratio16-dense": (32, [1.0, 1.0])}, "c")
+    assert not merge_reports.merge([one, two, dense])[0]["partial"]
+    one_seed = _session({"ratio16-dense": (32, [1.0])}, "c")
+    assert merge_reports.merge([one, two, one_seed])[0]["partial"]  # seed 1 is missing
+    # Another protocol, or the same phase twice, does not merge.
+    steps = dict(one["config"]["train_config"], steps=20)
+    other = _session({"ratio64-max": (8, [0.5, 0.4])}, None, train_config=steps)
+    with pytest.raises(ValueError, match=r"reports\[1\]: its config differs .*train_config"):
+        merge_reports.merge([one, other])
+    window = _session({"ratio64-max": (8, [0.5])}, None, model_config={"window_size": 128})
+    with pytest.raises(ValueError, match=r"reports\[1\]: its config differs .*model_config"):
+        merge_reports.merge([one, window])
+    with pytest.raises(ValueError, match="variant 'pool8' of seed 0 appears twice"):
+        merge_reports.merge([two, two])
+    # The merged table says which rows come from which instance.
+    report = {"config": config, "results": records, "summary": _common.summarize(records)}
+    assert study_tables.table(report).splitlines()[-1] == (
+        "Prefix instances (runs pair only within one; unnamed: a report older than instance "
+        "names): pool8 (unnamed), pool32 a, pool128 a."
+    )
+    one_instance = {"config": config, "results": records[2:]}
+    one_instance["summary"] = _common.summarize(records[2:])
+    assert "Prefix instances" not in study_tables.table(one_instance)
+    # The command writes the JSON and the figure under --name.
+    paths = []
+    for i, part in enumerate((one, two)):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    merge_reports.main(
+        ["pool_size_sweep", *map(str, paths), "--out-dir", str(tmp_path), "--name", "sweep"]
+    )
+    assert json.loads((tmp_path / "sweep.json").read_text())["summary"]["pool8"]
+    assert (tmp_path / "sweep.png").stat().st_size > 0
