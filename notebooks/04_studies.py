@@ -19,11 +19,15 @@
 # every seed learns the task densely first (a curriculum of 128, 512 and 4 K tokens), then each
 # variant switches the candidate pool on and trains until two evaluations reach 90 %. This
 # notebook reads the committed reports (no training, no GPU) and looks at them seed by seed:
-# 1. the tables of `experiments/README.md` (printed by `experiments/study_tables.py`);
+# 1. the tables of `experiments/README.md` (printed by `experiments/study_tables.py`): block
+#    score, pool size, main-KV format;
 # 2. accuracy against how often the pool holds the answer's evidence, each seed's variants joined;
-# 3. one seed's pools on one held-out example, query by query (`evaluate.pool_snapshot`).
+# 3. one seed's pools on one held-out example, query by query (`evaluate.pool_snapshot`): every
+#    pool the reports kept, listed, then the one you pick drawn.
 #
 # - `V41JAX_RESULTS_DIR=<dir>`: where the reports are (default `experiments/results`).
+# - `V41JAX_POOLS=<report>:<variant>` (e.g. `pool_size_4k_h200_2026-12-02_merged.json:pool256`):
+#   whose kept pools to draw in section 3 (default: the first listed).
 # - `V41JAX_RUN_DIR=<dir>`: a run directory of a study (e.g.
 #   `runs/long_context_studies/runs/ratio16/max/seed0`) whose pools to draw when the reports
 #   hold no snapshot.
@@ -46,9 +50,20 @@ from experiments import study_tables
 
 SMOKE = os.environ.get("V41JAX_SMOKE", "0") == "1"
 RESULTS_DIR = Path(os.environ.get("V41JAX_RESULTS_DIR", REPO / "experiments" / "results"))
-paths = sorted(RESULTS_DIR.glob("block_score_4k_ratio*.json"), key=lambda p: p.name)
-reports = {p: json.loads(p.read_text()) for p in paths}
-print(f"{len(reports)} block-score reports in {RESULTS_DIR}: {[p.name for p in paths]}")
+
+
+def load(pattern: str) -> dict[Path, dict]:
+    paths = sorted(RESULTS_DIR.glob(pattern), key=lambda p: p.name)
+    return {p: json.loads(p.read_text()) for p in paths}
+
+
+reports = load("block_score_4k_ratio*.json")
+# The pool-size sweep: the merged report of its sessions where there is one (its parts repeat
+# it), else each session's.
+pool_sizes = load("pool_size_4k_*_merged.json") or load("pool_size_4k_*.json")
+kv_formats = load("kv_format_4k_*.json")
+for name, found in (("block-score", reports), ("pool-size", pool_sizes), ("KV-format", kv_formats)):
+    print(f"{len(found)} {name} reports in {RESULTS_DIR}: {[p.name for p in found]}")
 
 # %% [markdown]
 # ## 1. The tables
@@ -56,21 +71,35 @@ print(f"{len(reports)} block-score reports in {RESULTS_DIR}: {[p.name for p in p
 # One row per variant (mean ± sample std over seeds), then each variant's difference from `max`
 # on the same seed (and the same prefix instance) with its 95 % t-interval, and, where the runs
 # were evaluated with a pool of one block, how much the answers depend on the pool. A report
-# marked partial lacks some of its planned phases.
+# marked partial lacks some of its planned phases. The pool-size rows are named by the pool in
+# blocks of 8 (pool8 = 1/64 of 4,096 positions); the KV-format rows pair against f32.
+
 
 # %%
-for path, report in reports.items():
+def show(path: Path, report: dict, title: str) -> None:
     config = report["config"]
     partial = " — PARTIAL" if config.get("partial") else ""
-    ratio, blocks = config.get("ratio"), config.get("pool_blocks")
-    print(f"{path.name}: context/pool {ratio}, {blocks} blocks{partial}\n")
-    print(study_tables.table(report))
+    print(f"{path.name}: {title}{partial}\n")
+    order = None
+    if config.get("experiment") == "kv_format_study":
+        order = study_tables.format_order(config["formats"])
+    print(study_tables.table(report, order))
     print()
-    print(study_tables.paired(report, config.get("reference", "max")))
-    print()
-    if any(r.get("pool1_accuracy") is not None for r in report["results"]):
-        print(study_tables.through_the_pool(report))
+    if lines := study_tables.paired(report, config.get("reference", "max"), order):
+        print(lines)
         print()
+    if any(r.get("pool1_accuracy") is not None for r in report["results"]):
+        print(study_tables.through_the_pool(report, order))
+        print()
+
+
+for path, report in reports.items():
+    config = report["config"]
+    show(path, report, f"context/pool {config.get('ratio')}, {config.get('pool_blocks')} blocks")
+for path, report in pool_sizes.items():
+    show(path, report, "pool size at 4 K tokens")
+for path, report in kv_formats.items():
+    show(path, report, "main-KV format, QAT and PTQ")
 
 # %% [markdown]
 # ## 2. Accuracy against the evidence in the pool
@@ -127,18 +156,35 @@ else:
 # The finished sparse phases keep seed 0's final pools on one held-out example
 # (`pool_snapshot` in its record). Reports from before that (the first H200 calls) hold none;
 # then a run directory (`V41JAX_RUN_DIR`) is read instead, or, without one, an untrained tiny
-# model shows what the picture looks like.
+# model shows what the picture looks like. First every kept snapshot: how many of its queries
+# have the evidence in their pool, and the rank of the evidence's block among the source's
+# block scores (0: the best block; the pool keeps about the ranks below its size, its newest
+# block pinned).
 
 # %%
-snapshot, source = None, None
-for path, report in reports.items():
+kept = {}  # "<report>:<variant>" -> its record holding the snapshot
+for path, report in {**reports, **pool_sizes, **kv_formats}.items():
     for record in report["results"]:
         if record.get("pool_snapshot"):
-            snapshot = record["pool_snapshot"]
-            source = f"{path.name}: {record['variant']}, seed {record['seed']}"
-            break
-    if snapshot:
-        break
+            kept.setdefault(f"{path.name}:{record['variant']}", record)
+if kept:
+    print("| report:variant | seed | pool blocks | evidence in pool | evidence rank: median |")
+    print("|---|---|---|---|---|")
+    for name, record in kept.items():
+        shot = record["pool_snapshot"]
+        held = [q["evidence_block"] in q["pool_blocks"] for q in shot["queries"]]
+        ranks = [q["evidence_block_rank"] for q in shot["queries"]]
+        print(
+            f"| {name} | {record['seed']} | {shot['pool_blocks']} | "
+            f"{sum(held)}/{len(held)} | {np.median(ranks):.0f} |"
+        )
+wanted = os.environ.get("V41JAX_POOLS") or next(iter(kept), None)
+if wanted is not None and wanted not in kept:
+    raise ValueError(f"V41JAX_POOLS: expected one of {sorted(kept)}, got {wanted!r}")
+snapshot, source = None, None
+if wanted is not None:
+    snapshot = kept[wanted]["pool_snapshot"]
+    source = f"{wanted}, seed {kept[wanted]['seed']}"
 if snapshot is None and os.environ.get("V41JAX_RUN_DIR"):
     run_dir = Path(os.environ["V41JAX_RUN_DIR"])
     cfg, model = train.load(run_dir)
