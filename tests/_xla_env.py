@@ -24,11 +24,3 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expens
 
 def cpu_only() -> bool:
     return os.environ.get("JAX_PLATFORMS") == "cpu" or shutil.which("nvidia-smi") is None
-
-
-def with_optimizer(env: dict) -> dict:
-    """`env` with `FAST_COMPILE` taken out of XLA_FLAGS: for a subprocess whose test was written
-    against XLA's default code generation (tests/test_multidevice.py's data-parallel run)."""
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE]
-    # V41JAX_TEST_XLA_OPT: the subprocess's own tests/conftest.py must not put them back.
-    return env | {"XLA_FLAGS": " ".join(flags), "V41JAX_TEST_XLA_OPT": "1"}

@@ -13,38 +13,29 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests import _xla_env
-from tests.multidevice._shared import ADAM_ATOL, CFG
+from tests.multidevice._shared import ADAM_ATOL
+from tests.multidevice._shared import DATA_PARALLEL as CFG
 from v41jax import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# tests/multidevice in two processes that xdist can run side by side. test_data_parallel.py
-# compiles at XLA's default code generation: with LLVM's optimizer off (tests/_xla_env.py) its
-# one-device run took another path at the second step (parameters 3e-3 apart after 3 steps, the
-# 8-device run and both default-level runs within 1e-7 of each other): an index-score tie, most
-# likely, that a last-bit difference in a dot product breaks the other way.
+# tests/multidevice in two processes that xdist can run side by side.
 MULTIDEVICE = {
-    "data-parallel": (["tests/multidevice/test_data_parallel.py"], True),
-    "the-rest": (
-        ["tests/multidevice", "--ignore=tests/multidevice/test_data_parallel.py"],
-        False,
-    ),
+    "data-parallel": ["tests/multidevice/test_data_parallel.py"],
+    "the-rest": ["tests/multidevice", "--ignore=tests/multidevice/test_data_parallel.py"],
 }
 
 
 @pytest.mark.parametrize("group", sorted(MULTIDEVICE))
 def test_the_multidevice_tests_pass_on_8_simulated_cpu_devices(group):
-    paths, optimized = MULTIDEVICE[group]
-    env = _xla_env.with_optimizer(dict(os.environ)) if optimized else dict(os.environ)
-    env |= {
+    env = dict(os.environ) | {
         "JAX_NUM_CPU_DEVICES": "8",
         "JAX_PLATFORMS": "cpu",
         "V41JAX_MULTIDEVICE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MULTIDEVICE[group]]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     output = done.stdout[-6000:] + done.stderr[-2000:]
     assert done.returncode == 0, output

@@ -1,7 +1,8 @@
 """One of the two processes of `tests/test_multidevice.py`'s multi-process test:
 `python _two_process_worker.py PROCESS_ID PORT OUT.npz`, with JAX_NUM_CPU_DEVICES=2. The two
 processes form one jax runtime over localhost (`jax.distributed`, gloo collectives on the CPU),
-train `_shared.CFG` data-parallel over all 4 devices, and process 0 writes the parameters."""
+train `_shared.DATA_PARALLEL` data-parallel over all 4 devices, and process 0 writes the
+parameters."""
 
 import sys
 
@@ -14,7 +15,7 @@ jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=proc
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tests.multidevice._shared import CFG  # noqa: E402
+from tests.multidevice._shared import DATA_PARALLEL as CFG  # noqa: E402
 from v41jax import train  # noqa: E402
 
 assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.devices())

@@ -21,19 +21,16 @@ if jax.device_count() < 8:
         "tests/multidevice needs 8 devices: run it through tests/test_multidevice.py"
     )
 
-from tests.multidevice._shared import ADAM_ATOL, CFG
+from tests.multidevice._shared import ADAM_ATOL, CFG, UNQUANTIZED
 
 # A window of 8: on 8 devices each of the 64 tokens' slices is one whole window
 # (`train.check_mesh`).
 CP = CFG.replace(model_overrides={**dict(CFG.model_overrides), "window_size": 8})
 # The Full layer compressing pairs of tokens.
 RATIO2 = CP.replace(model_overrides={**dict(CP.model_overrides), "compress_ratios": (0, 2, 2, 2)})
-# The gradient comparison reads the window and the index keys unquantized: a quantizer turns the
-# sharded sum's float-level differences into whole rounding steps where a value lies near a
-# boundary (FP8 window, MXFP4 keys: up to 1.3e-4 of the largest gradient measured on an AVX-512
-# CPU, against 2e-6 unquantized), which says nothing about the layout. The steps test below
-# keeps the quantizers.
-UNQUANTIZED = {"window_format": "f32", "index_format": "f32"}
+# The gradient comparison reads the window and the index keys unquantized (`UNQUANTIZED`: here
+# the quantizers moved the gradient up to 1.3e-4 of its largest element on an AVX-512 CPU,
+# against 2e-6 unquantized). The steps test below keeps the quantizers.
 MESHES = {"1x8": {"context": 8}, "2x4": {"data": 2, "context": 4}}
 
 

@@ -1,4 +1,5 @@
-"""Data-parallel training over a mesh equals training on one device (issue 15).
+"""Data-parallel training over a mesh equals training on one device (issue 15), for the test
+model with its window and index keys unquantized (`_shared.DATA_PARALLEL`: why).
 
 Runs on 8 devices: `tests/test_multidevice.py` starts it with 8 simulated CPU devices.
 """
@@ -17,7 +18,8 @@ if jax.device_count() < 8:
         "tests/multidevice needs 8 devices: run it through tests/test_multidevice.py"
     )
 
-from tests.multidevice._shared import ADAM_ATOL, CFG
+from tests.multidevice._shared import ADAM_ATOL
+from tests.multidevice._shared import DATA_PARALLEL as CFG
 
 
 def _grads(mesh):
