@@ -301,6 +301,13 @@ def commits(config: dict) -> list[str]:
     return [commit] if isinstance(commit, str) else list(commit)
 
 
+def commit_note(configs) -> str | None:
+    """The `commit_note`s of several reports' configs joined in order, each once (None if none
+    has one): what a combined or merged report says about the commits it ran at."""
+    notes = dict.fromkeys(n for c in configs if (n := c.get("commit_note")))
+    return " ".join(notes) or None
+
+
 def pair_key(record: dict) -> tuple:
     """What makes two records of a study a pair: the seed and the weights the runs started from
     (`prefix_instance`; None where a report has one starting point for all)."""

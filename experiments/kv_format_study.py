@@ -125,6 +125,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return report
 
 
+def _once(seen: set, key: str, label: str) -> str | None:
+    """`label` the first time `key` comes (then `key` is in `seen`), None after: each legend
+    entry once."""
+    if key in seen:
+        return None
+    seen.add(key)
+    return label
+
+
 def plot(report: dict, path) -> None:
     """Accuracy, task loss and pool recall (mean over the Reindex layers) per format, QAT beside
     PTQ, the f32 reference as its own column and a dashed line; then each variant's accuracy
@@ -149,9 +158,8 @@ def plot(report: dict, path) -> None:
         for x, fmt in enumerate(formats):
             for dx, mode, color in modes:
                 ys = [metric(r) for r in records if r["variant"] == f"{mode}/{fmt}"]
-                label = None
-                if mode not in labelled and any(y is not None for y in ys):
-                    label, _ = mode.upper(), labelled.add(mode)
+                shown = any(y is not None for y in ys)
+                label = _once(labelled, mode, mode.upper()) if shown else None
                 _common.strip(ax, x + dx, ys, color=color, label=label)
         reference = [metric(r) for r in records if r["variant"] == REFERENCE]
         _common.strip(ax, len(formats), reference, color="C7", label=f"{REFERENCE} reference")
@@ -174,9 +182,7 @@ def plot(report: dict, path) -> None:
             _common.strip(ax, x + dx, d, color=color)
             ci = _common.t_interval(d)
             if ci is not None:
-                label = None
-                if mode not in labelled:
-                    label, _ = f"{mode.upper()}: mean, 95 % t-interval", labelled.add(mode)
+                label = _once(labelled, mode, f"{mode.upper()}: mean, 95 % t-interval")
                 ax.errorbar(
                     x + dx + 0.1,
                     np.mean(d),

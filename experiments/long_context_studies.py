@@ -427,9 +427,8 @@ def _combined(
     config["experiment"] = experiment
     config["argv"] = [rep["config"]["argv"] for _, rep in found]
     config["commit"] = sorted({c for _, rep in found for c in _common.commits(rep["config"])})
-    notes = dict.fromkeys(n for _, rep in found if (n := rep["config"].get("commit_note")))
-    if notes:
-        config["commit_note"] = " ".join(notes)
+    if note := _common.commit_note(rep["config"] for _, rep in found):
+        config["commit_note"] = note
     config["phases"] = [p.name for p in phases]
     config["plan"] = f"experiments/{NAME}.py"
     config["partial"] = not all(plan.phase_done(p) for p in phases)

@@ -109,17 +109,15 @@ def merge(reports: list[dict]) -> tuple[dict, list[dict]]:
         config["prefix_instances"] = {
             k: v for r in reports for k, v in r["config"].get("prefix_instances", {}).items()
         }
-        notes = dict.fromkeys(n for r in reports if (n := r["config"].get("commit_note")))
         config.pop("commit_note", None)
-        if notes:
-            config["commit_note"] = " ".join(notes)
+        if note := _common.commit_note(r["config"] for r in reports):
+            config["commit_note"] = note
         config["partial"] = _partial(config, records)
         edges = {tuple(r["config"]["distance_edges"] or ()) for r in reports}
         if len(edges) > 1:  # each phase's own (window and pool sizes): no one value holds
             config["distance_edges"] = None
         for key in ("max_minutes", "restored_from", "ratio", "pool_blocks"):
-            if len({json.dumps(r["config"].get(key)) for r in reports}) > 1:
-                config.pop(key, None)  # a phase's or a session's, not the merged report's
+            config.pop(key, None)  # a phase's or a session's, not the merged report's
     return config, records
 
 

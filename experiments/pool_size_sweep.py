@@ -187,7 +187,8 @@ def plot(report: dict, path) -> None:
         panels.append((axes[3], "answer's evidence in the pool (queries beyond it)"))
     ticks = [f"1/{1 / f:.3g}" if f < 1 else "1" for f in sized]
     instances = _instances(records, sized)
-    if len(set(instances)) > 1:  # pools of several prefix instances: say which is which
+    several = len(set(instances)) > 1
+    if several:  # pools of several prefix instances: say which is which
         names = [" ".join(n[:6] for n in i) or "?" for i in instances]
         ticks = [f"{t}\n{n}" for t, n in zip(ticks, names, strict=True)]
     for ax, title in panels:
@@ -198,7 +199,6 @@ def plot(report: dict, path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    several = len(set(instances)) > 1
     fig.suptitle(
         f"pool size: {config['train_config']['preset']} on {config['train_config']['task']}, "
         f"{config['source_positions']} source positions, {_common.figure_note(report)}"

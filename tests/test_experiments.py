@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -335,7 +336,7 @@ def test_the_tables_printed_in_the_experiments_readme_are_the_scripts_output(cap
             continue
         printed = []
         for command in commands:
-            program, script, *argv = command.split()
+            program, script, *argv = shlex.split(command)  # as a shell would
             assert (program, script) == ("python3", "experiments/study_tables.py"), command
             study_tables.main(argv)
             printed.append(capsys.readouterr().out)
