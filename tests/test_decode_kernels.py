@@ -1,9 +1,11 @@
 """Decode on the Pallas kernels against decode in XLA (DESIGN §6; issue 5, item 4).
 
 `model.decode_step(..., implementation='pallas')` attends with `fp4_sparse_attention` on the
-packed caches and selects inside the candidate pool with `pooled_scores`; 'xla' gathers, unpacks
-and computes in float32. Both start from the same prefilled cache of a ragged batch (one row with
-fewer compressed entries than the top-k: −1 padded picks; one where the candidate pool bites).
+packed caches, selects inside the candidate pool with `pooled_scores` and builds the pool with
+the candidate source's scan (`source_scan`, the same scoring kernel over every block); 'xla'
+gathers, unpacks and computes in float32. Both start from the same prefilled cache of a ragged
+batch (one row with fewer compressed entries than the top-k: −1 padded picks; one where the
+candidate pool bites).
 On the CPU the kernels run in the Mosaic GPU interpreter ('pallas_interpret') on a reduced
 kernel-shaped config (compiled, 'pallas', when a GPU is the default backend); the `-m gpu` cases
 run compiled at `config.small_kernels()` size, batch 8, 8 steps.
@@ -12,11 +14,12 @@ Tolerances, and why:
 - Per layer, on the same inputs: the attention kernel's output is bf16 (unit roundoff 2⁻⁹) and
   so are its probabilities before PV, with float32 accumulation: ~2e-3 relative error
   (measured), bounded by `LAYER_RTOL` = 1e-2 as in the kernel's own tests. Everything else
-  (cache writes, window-only layers, the full scans of Full layers, the candidate pool) is the
-  same XLA code on the same inputs: equal (on the CPU bit for bit; on a GPU, compiled into two
+  (cache writes, window-only layers, the full scans of the other Full layers) is the same XLA
+  code on the same inputs: equal (on the CPU bit for bit; on a GPU, compiled into two
   programs, a float32 last bit may round differently, so up to `CACHE_MISMATCH` of the cache
-  bytes and ties among picks may differ). Reindex picks from the pooled-scoring kernel equal
-  XLA's except between scores equal to float32 rounding (`TIE_RTOL` of the row's largest).
+  bytes and ties among picks may differ). Picks and pool blocks scored by the kernel (Reindex
+  layers, the candidate source) equal XLA's except between scores equal to float32 rounding
+  (`TIE_RTOL` of the row's largest).
 - End to end: the per-layer errors of the n layers that run the kernel add up in the residual
   stream like independent errors, so logits differ by up to LAYER_RTOL·√n times their RMS
   (`logit_atol`; measured with the interpreter: 0.2–0.3 of it at small_kernels() size). They
@@ -40,12 +43,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from v41jax.nn import config, model
+from v41jax.nn import config, dispatch, model
 from v41jax.nn.cache import Cache, init_cache
 from v41jax.nn.config import Role
 from v41jax.nn.dispatch import KERNEL_IMPLEMENTATIONS, check_kernel_config
 from v41jax.nn.selection import SharedState
-from v41jax.ops import scoring
+from v41jax.ops import pool, scoring
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
@@ -205,8 +208,15 @@ def check_layerwise(case: Case, implementation: str) -> None:
             assert_picks_equal_up_to_ties(*picks, scores, where)
             reindex_rows += len(positions) * plan.uses_candidates
         if plan.is_candidate_source:
-            pools = (got_shared.pool.block_ids, ref_shared.pool.block_ids)
-            np.testing.assert_array_equal(*pools, err_msg=where)
+            # Scored by the kernel (its scan route): XLA's blocks, up to ties of block scores.
+            scores = _index_scores(block.attn, x, ref_shared, positions, plan.compress_ratio, False)
+            lens = (positions + 1) // plan.compress_ratio
+            blocks = pool.block_scores(scores, lens, cfg.candidate_block_size, cfg.block_score)
+            pools = (got_shared.pool.block_ids[:, 0], ref_shared.pool.block_ids[:, 0])
+            assert_picks_equal_up_to_ties(*pools, blocks, f"{where} pool")
+            n_pos = ref_shared.index_k_packed.shape[1]
+            mask = pool.pool_mask_from_block_ids(pools[0], n_pos, cfg.candidate_block_size, lens)
+            np.testing.assert_array_equal(got_shared.pool.mask[:, 0], mask, err_msg=where)
         shared = ref_shared
         following = m.blocks[min(plan.layer + 1, cfg.n_layers - 1)]
         h, x = _next_block_input(block, following, h, out)
@@ -284,8 +294,14 @@ def cpu_case() -> Case:
     return make_case(cfg, CPU_LENGTHS, max_len=64)
 
 
-def test_each_layer_matches_xla_small(cpu_case):
+def test_each_layer_matches_xla_small(cpu_case, monkeypatch):
+    # The candidate source's picks must come from its scan route, not from the XLA scan that
+    # would match them trivially.
+    routed = []
+    scan = dispatch.candidate_source
+    monkeypatch.setattr(dispatch, "candidate_source", lambda *a: routed.append(a[-1]) or scan(*a))
     check_layerwise(cpu_case, SMALL_IMPLEMENTATION)
+    assert routed == [SMALL_IMPLEMENTATION]
 
 
 def test_greedy_decode_matches_xla_small(cpu_case):

@@ -292,7 +292,13 @@ def _kernel(
         @pl.when(tile + num_stages < n_tiles)
         def _():
             if ablation != "no_fetch":
-                fetch(tile + num_stages, slot)  # after a warpgroup barrier: the loads are done
+                # The refill's bulk copies write this stage through the async proxy; the loads
+                # above read it through the generic one. A warpgroup barrier (the one before
+                # `warp_map`) orders threads, not proxies: the proxy fence orders the loads
+                # before the copies (PTX memory model; the interpreter's race detector reports
+                # the refill as a race without it).
+                plgpu.commit_smem()
+                fetch(tile + num_stages, slot)
 
         keys, row_code = _decode_tile(words, scale_words)
         if ablation == "no_decode":  # the raw words as keys: the decode drops out

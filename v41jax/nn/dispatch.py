@@ -15,9 +15,11 @@ from jaxtyping import Array, Bool, Float, Int, UInt8
 
 from pallas_kernels import dispatch
 from pallas_kernels import pooled_scoring as pooled_kernel
+from pallas_kernels import source_scan as source_kernel
 from pallas_kernels import sparse_attention as attention_kernel
 from pallas_kernels.dispatch import IMPLEMENTATIONS, KERNEL_IMPLEMENTATIONS
 from v41jax.nn.config import ModelConfig, Role
+from v41jax.ops.pool import SourceSelection
 from v41jax.ops.scoring import TopK
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "KERNEL_IMPLEMENTATIONS",
     "PREFILL_IMPLEMENTATIONS",
     "attend_packed",
+    "candidate_source",
     "check_implementation",
     "check_kernel_config",
     "pooled_topk",
@@ -62,7 +65,8 @@ def check_kernel_config(config: ModelConfig, implementation: str) -> None:
     value, when `implementation` runs kernels on a config they cannot take.
 
     Layers with compressed KV attend with `fp4_sparse_attention`; Reindex layers inside the pool
-    select with `pooled_scores`. Each kernel's `supports` decides; 'xla' takes any config. The
+    select with `pooled_scores`, the candidate source with `source_scan.candidate_source`. Each
+    kernel's `supports` decides; 'xla' takes any config. The
     numerics switches concern the selection only: `tie_order` and `neginf_picks` every
     implementation honours, `index_score_dtype` the pooled-scoring kernel's `supports` judges.
     """
@@ -74,16 +78,20 @@ def check_kernel_config(config: ModelConfig, implementation: str) -> None:
             implementation, kv_fmt=c.kv_format, window_fmt=c.window_format, dim=c.head_dim
         )
         limits += [(_ATTENTION_FIELDS[limit.argument], limit) for limit in support.limits]
+    scoring = dict(
+        fmt=c.index_format,
+        dim=c.index_head_dim,
+        block_size=c.candidate_block_size,
+        n_heads=c.index_n_heads,
+        score_dtype=c.index_score_dtype,
+    )
+    scoring_limits = []
     if any(plan.uses_candidates for plan in c.layers):
-        support = pooled_kernel.supports(
-            implementation,
-            fmt=c.index_format,
-            dim=c.index_head_dim,
-            block_size=c.candidate_block_size,
-            n_heads=c.index_n_heads,
-            score_dtype=c.index_score_dtype,
-        )
-        limits += [(_SCORING_FIELDS[limit.argument], limit) for limit in support.limits]
+        scoring_limits += pooled_kernel.supports(implementation, **scoring).limits
+    if any(plan.is_candidate_source for plan in c.layers):
+        scoring_limits += source_kernel.supports(implementation, **scoring).limits
+    # The same limit from both (the scan runs the pooled-scoring kernel): named once.
+    limits += [(_SCORING_FIELDS[limit.argument], limit) for limit in dict.fromkeys(scoring_limits)]
     if limits:
         problems = [
             f"config.{field}: expected {lim.expected}, got {lim.got!r}" for field, lim in limits
@@ -150,4 +158,32 @@ def pooled_topk(
         score_dtype=config.index_score_dtype,
         tie_order=config.tie_order,
         neginf_picks=config.neginf_picks,
+    )
+
+
+def candidate_source(
+    config: ModelConfig,
+    index_k_packed: UInt8[Array, "b s row"],
+    q: Float[Array, "b heads dim"],
+    weights: Float[Array, "b heads"],
+    compress_lens: Int[Array, " b"],
+    implementation: str,
+) -> SourceSelection:
+    """The candidate source's pool and own top-k at decode from its packed index keys
+    (`ops.pool.candidate_source_scan` for 'xla'): the config's pool size, block size, block
+    reducer, top-k, score dtype and tie order (positions ≥ compress_lens invisible; the source's
+    own top-k is unrestricted, so −inf picks are dropped under either `neginf_picks`)."""
+    return source_kernel.candidate_source(
+        index_k_packed,
+        q,
+        weights,
+        compress_lens,
+        topk_blocks=config.candidate_topk_blocks,
+        index_topk=config.index_topk,
+        block_size=config.candidate_block_size,
+        fmt=config.index_format,
+        reduce=config.block_score,
+        implementation=implementation,
+        score_dtype=config.index_score_dtype,
+        tie_order=config.tie_order,
     )

@@ -34,6 +34,7 @@ from v41jax.nn.sharding import CONTEXT, data_axis, rowwise, split_sequence
 from v41jax.ops.invariants import check_scores, check_selection
 from v41jax.ops.pool import (
     CandidatePool,
+    pool_mask_from_block_ids,
     pool_positions,
     pool_topk_from_scores,
     select_candidate_blocks,
@@ -90,8 +91,10 @@ def select(
 
     With a kernel implementation (decode only: one query per sequence, T = 1), a Reindex layer
     inside the pool reads only the packed index keys of its pool's blocks
-    (`dispatch.pooled_topk`), which keeps `topk_indices`' rules (the config's tie order and −inf
-    picks, positions ≥ compress_lens invisible).
+    (`dispatch.pooled_topk`), and the candidate source scores its packed index keys with the
+    same kernel (`dispatch.candidate_source`), both keeping `topk_indices`' and
+    `select_candidate_blocks`' rules (the config's reducer, tie order and −inf picks, positions
+    ≥ compress_lens invisible).
 
     At decode on a cache sharded by position over `sequence_mesh`'s 'context' axis (T = 1,
     implementation 'xla'), the pool, the candidate source's own top-k and a Reindex layer's
@@ -101,8 +104,7 @@ def select(
 
     Returns:
       (the state with this layer's top-k and pool published, the index scores [B, T, S]); the
-      scores are None for layers that do not score and for Reindex layers that score with the
-      pooled-scoring kernel.
+      scores are None for layers that do not score and for layers that score with a kernel.
     """
     if plan.role not in (Role.FULL, Role.REINDEX):
         return shared, None
@@ -123,6 +125,15 @@ def select(
             implementation,
         )
         topk, scores = picks.indices[:, None], None
+    elif plan.is_candidate_source and implementation in dispatch.KERNEL_IMPLEMENTATIONS:
+        lens = compress_lens[:, 0]
+        found = dispatch.candidate_source(
+            config, shared.index_k_packed, q[:, 0], weights[:, 0], lens, implementation
+        )
+        n_pos = shared.index_k_packed.shape[1]
+        mask = pool_mask_from_block_ids(found.block_ids, n_pos, config.candidate_block_size, lens)
+        pool = CandidatePool(mask[:, None], found.block_ids[:, None])
+        topk, scores = found.topk.indices[:, None], None
     else:
         # Rows are queries: split like the sequence under context parallelism (`sharding`).
         scores = split_sequence(

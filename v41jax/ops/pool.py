@@ -463,13 +463,14 @@ def check_pooled_scores_args(
     k_packed: Array,
     q: Array,
     weights: Array,
-    block_ids: Array,
+    block_ids: Array | None,
     lengths: Array,
     block_size: int,
     fmt: str,
 ) -> None:
     """The argument checks of `pooled_scores`, which every implementation of the op runs (the
-    kernels included): each names the bad argument, the expected and the received value."""
+    kernels included): each names the bad argument, the expected and the received value.
+    `block_ids=None` checks the rest (`candidate_source_scan`, which scores every block)."""
     for name, x, ndim, layout in (
         ("k_packed", k_packed, 3, "[B, S, row_bytes]"),
         ("q", q, 3, "[B, H, D]"),
@@ -477,7 +478,7 @@ def check_pooled_scores_args(
         ("block_ids", block_ids, 2, "[B, NB]"),
         ("lengths", lengths, 1, "[B]"),
     ):
-        if x.ndim != ndim:
+        if x is not None and x.ndim != ndim:
             raise ValueError(f"{name}: expected shape {layout}, got {x.shape}")
     batch, n_heads, dim = q.shape
     if k_packed.dtype != jnp.uint8:
@@ -490,7 +491,9 @@ def check_pooled_scores_args(
         )
     if weights.shape != (batch, n_heads):
         raise ValueError(f"weights: expected shape {(batch, n_heads)}, got {weights.shape}")
-    if block_ids.shape[0] != batch or not jnp.issubdtype(block_ids.dtype, jnp.integer):
+    if block_ids is not None and (
+        block_ids.shape[0] != batch or not jnp.issubdtype(block_ids.dtype, jnp.integer)
+    ):
         raise ValueError(f"block_ids: expected integer [{batch}, NB], got {block_ids.dtype}")
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths: expected integer [{batch}], got {lengths.dtype}{lengths.shape}")
@@ -824,3 +827,83 @@ def full_scan_topk(
     )[:, 0]
     mask = pool_mask_from_block_ids(block_ids, n_pos, block_size, lengths)
     return topk(scores, k, mask, tie_order=tie_order, neginf_picks=neginf_picks)
+
+
+class SourceSelection(NamedTuple):
+    """What the candidate source selects for one decode query per sequence.
+
+    Attributes:
+      block_ids: [B, topk_blocks] int32 its candidate pool's blocks, ascending, then −1
+        (`CandidatePool.block_ids`).
+      topk: its own top-k over every visible position (unrestricted): `TopK(indices
+        [B, index_topk] positions ascending then −1, scores [B, index_topk])`.
+    """
+
+    block_ids: Int[Array, "batch topk_blocks"]
+    topk: TopK
+
+
+def source_selection(
+    scores: Float[Array, "batch n_pos"],
+    lengths: Int[Array, " batch"],
+    *,
+    topk_blocks: int,
+    index_topk: int,
+    block_size: int = 8,
+    reduce: str | BlockReducer = "max",
+    tie_order: str = "oldest",
+) -> SourceSelection:
+    """The candidate source's two selections from its scores of every position: the pool
+    (`select_candidate_blocks`' rule, without building its mask) and its own top-k
+    (`scoring.topk`, no mask: −inf picks are dropped). Scores ≥ lengths are ignored."""
+    blocks = block_scores(scores, lengths, block_size, reduce)
+    block_ids = topk_indices(blocks, topk_blocks, tie_order=tie_order)
+    position = jnp.arange(scores.shape[-1])
+    visible = jnp.where(position < jnp.asarray(lengths)[..., None], scores, -jnp.inf)
+    return SourceSelection(block_ids, topk(visible, index_topk, tie_order=tie_order))
+
+
+def candidate_source_scan(
+    k_packed: UInt8[Array, "batch seq row_bytes"],
+    q: Float[Array, "batch heads dim"],
+    weights: Float[Array, "batch heads"],
+    lengths: Int[Array, " batch"],
+    *,
+    topk_blocks: int,
+    index_topk: int,
+    block_size: int = 8,
+    fmt: str = "mxfp4",
+    reduce: str | BlockReducer = "max",
+    score_dtype: str = "float32",
+    tie_order: str = "oldest",
+) -> SourceSelection:
+    """The candidate source at decode, from its packed index keys: score every visible
+    position (unpack all S rows, `index_scores`), then `source_selection`. The definition the
+    source-scan route (`pallas_kernels.source_scan`) is checked against; `full_scan_topk` is
+    the same scan for a Reindex layer's pool.
+
+    Args:
+      k_packed: [B, S, row_bytes] uint8 packed index keys per sequence (`formats.pack`).
+      q: [B, H, D] indexer queries (already fake-quantized); weights: [B, H] head weights.
+      lengths: [B] int visible positions per query (clipped to [0, S]).
+      topk_blocks: blocks the pool keeps; index_topk: the source's own picks.
+      block_size, fmt, reduce, score_dtype, tie_order: as `select_candidate_blocks`,
+        `index_scores` and `scoring.topk`.
+    """
+    k_packed, q, weights = jnp.asarray(k_packed), jnp.asarray(q), jnp.asarray(weights)
+    lengths = jnp.asarray(lengths)
+    check_pooled_scores_args(k_packed, q, weights, None, lengths, block_size, fmt)
+    lengths = jnp.clip(lengths, 0, k_packed.shape[1])
+    keys = formats.unpack(k_packed, fmt, q.shape[-1])
+    scores = index_scores(
+        q[:, None], weights[:, None], keys, lengths[:, None], score_dtype=score_dtype
+    )[:, 0]
+    return source_selection(
+        scores,
+        lengths,
+        topk_blocks=topk_blocks,
+        index_topk=index_topk,
+        block_size=block_size,
+        reduce=reduce,
+        tie_order=tie_order,
+    )

@@ -1,0 +1,137 @@
+"""The candidate source's scan at decode: one entry point over the project's `implementation=`
+switch (`pallas_kernels.dispatch`).
+
+    picks = candidate_source(k_packed, q, weights, lengths, topk_blocks=2048, index_topk=512)
+    picks.block_ids   # [B, topk_blocks] the candidate pool
+    picks.topk        # TopK [B, index_topk]: the source's own selection
+
+- 'xla': `v41jax.ops.pool.candidate_source_scan`, the op's definition (unpack all S rows, score,
+  select); any format, block size, head dim and score dtype.
+- 'pallas' / 'pallas_interpret': every block of the cache that a query can see goes through the
+  pooled-scoring Mosaic GPU kernel as one pool (block ids 0, 1, ... up to the query's last
+  visible block, −1 after it, so a short row fetches nothing past its length), then the
+  definition's selections (`ops.pool.source_selection`) on the kernel's scores. The kernel reads
+  the 68-byte rows once and never materializes the unpacked keys, which is what the XLA scan
+  does (issue 16: 70.8 ms at 1 M x batch 64). It still writes one f32 score per position (4 B
+  against the 68 B row it reads) and the selections run in XLA; what it takes is the pooled
+  kernel's `supports`.
+
+Selections: the same rules in every implementation (`tie_order`; the pool pins the block of the
+newest visible position; the source's own top-k drops −inf picks). The kernel's scores differ
+from the definition's in the last bits (f16 products, wgmma's summation order), so picks whose
+scores tie within that rounding may differ; exactly equal scores (equal rows) resolve by the tie
+rule in both. Decode only: no gradient.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, UInt8
+
+from pallas_kernels import dispatch
+from pallas_kernels.pooled_scoring import kernel_mgpu
+from v41jax.ops import pool
+from v41jax.ops.pool import BlockReducer, SourceSelection
+
+
+def supports(
+    implementation: str,
+    *,
+    fmt: str,
+    dim: int,
+    block_size: int,
+    n_heads: int,
+    score_dtype: str = "float32",
+) -> dispatch.Support:
+    """Whether `implementation` takes the source scan of `n_heads` queries of `dim` over packed
+    `fmt` keys in blocks of `block_size` with `score_dtype` scores ('xla' takes everything; the
+    kernel route: the pooled-scoring kernel's `supports`). Every block reducer and tie order is
+    taken: the selections run after the scores."""
+    dispatch.check_implementation(implementation)
+    if implementation == "xla":
+        return dispatch.Support("xla")
+    return kernel_mgpu.supports(
+        fmt=fmt, dim=dim, block_size=block_size, n_heads=n_heads, score_dtype=score_dtype
+    )
+
+
+def every_block(lengths: Int[Array, " batch"], n_pos: int, block_size: int) -> Int[Array, "b nb"]:
+    """Block ids 0 … ceil(S / block_size) − 1 for each query, −1 from the first block holding
+    no visible position (≥ ceil(lengths / block_size)): the whole cache as one pool."""
+    n_blocks = -(-n_pos // block_size)
+    ids = jnp.arange(n_blocks, dtype=jnp.int32)
+    visible_blocks = -(-jnp.clip(jnp.asarray(lengths, jnp.int32), 0, n_pos) // block_size)
+    return jnp.where(ids < visible_blocks[:, None], ids, -1)
+
+
+def candidate_source(
+    k_packed: UInt8[Array, "batch seq row_bytes"],
+    q: Float[Array, "batch heads dim"],
+    weights: Float[Array, "batch heads"],
+    lengths: Int[Array, " batch"],
+    *,
+    topk_blocks: int,
+    index_topk: int,
+    block_size: int = 8,
+    fmt: str = "mxfp4",
+    reduce: str | BlockReducer = "max",
+    implementation: str = "xla",
+    config: kernel_mgpu.TuningConfig | None = None,
+    score_dtype: str = "float32",
+    tie_order: str = "oldest",
+) -> SourceSelection:
+    """The candidate source's pool and own top-k for one decode query per sequence.
+
+    Args:
+      k_packed: [B, S, row_bytes] uint8 packed index keys per sequence (`ops.formats.pack`).
+      q: [B, H, D] indexer queries (already fake-quantized); weights: [B, H] head weights.
+      lengths: [B] int visible positions per query.
+      topk_blocks: blocks the pool keeps (`candidate_topk_blocks`); index_topk: the source's
+        own picks.
+      block_size: positions per block; fmt: packed format of `k_packed`.
+      reduce: the block reducer ('max' | 'mean' | 'top2', or a `ops.pool.BlockReducer`).
+      implementation: 'xla' | 'pallas' | 'pallas_interpret' (`pallas_kernels.dispatch`).
+      config: tuning of the pooled-scoring kernel (default `kernel_mgpu.TuningConfig()`).
+      score_dtype: 'float32' | 'bfloat16' (the kernel route: float32, `supports`).
+      tie_order: 'oldest' | 'newest', for the blocks and the positions.
+
+    Returns:
+      `ops.pool.SourceSelection(block_ids, topk)`, as `ops.pool.candidate_source_scan`.
+    """
+    dispatch.check_implementation(implementation)
+    k_packed, q, weights = jnp.asarray(k_packed), jnp.asarray(q), jnp.asarray(weights)
+    lengths = jnp.asarray(lengths)
+    selection = dict(
+        topk_blocks=topk_blocks,
+        index_topk=index_topk,
+        block_size=block_size,
+        reduce=reduce,
+        tie_order=tie_order,
+    )
+    if implementation == "xla" or q.shape[0] == 0 or k_packed.shape[1] == 0:
+        return pool.candidate_source_scan(
+            k_packed, q, weights, lengths, fmt=fmt, score_dtype=score_dtype, **selection
+        )
+    pool.check_pooled_scores_args(k_packed, q, weights, None, lengths, block_size, fmt)
+    supported = supports(
+        implementation,
+        fmt=fmt,
+        dim=q.shape[-1],
+        block_size=block_size,
+        n_heads=q.shape[1],
+        score_dtype=score_dtype,
+    )
+    if not supported:
+        raise supported.error()
+    n_pos = k_packed.shape[1]
+    lengths = jnp.clip(lengths, 0, n_pos)
+    scores = kernel_mgpu.pooled_scores_mgpu(
+        k_packed,
+        q,
+        weights,
+        every_block(lengths, n_pos, block_size),
+        lengths,
+        config=config or kernel_mgpu.TuningConfig(),
+        interpret=dispatch.interpret(implementation),
+    )
+    return pool.source_selection(scores[:, :n_pos], lengths, **selection)

@@ -1,0 +1,190 @@
+"""The candidate source's scan on the GPU (issue 16 item 1; DESIGN §6 "How to measure").
+
+    PYTHONPATH=. python3 -m pallas_kernels.source_scan.bench --out scan.json   # also prints it
+
+`run(...)` times, with the project's device timer (`pallas_kernels.timing.measure`: CUPTI,
+warm-up, medians), on several fresh random data sets (never zeros), for a decode batch whose
+every query sees its whole cache:
+
+- `xla_scan`: the definition, `ops.pool.candidate_source_scan` (unpack and score all S rows,
+  the pool's blocks, the source's own top-k): what the model's decode does today, and the
+  official code's approach;
+- `pallas_route`: `source_scan.candidate_source(implementation='pallas')`, the pooled-scoring
+  kernel over every block, then the same selections in XLA;
+- `pallas_scores`: that kernel's part alone (every position's score written, no selection);
+- `selections`: the selections alone (`ops.pool.source_selection` on given scores): block
+  scores, the top-`topk_blocks` of S/8 block scores and the top-`index_topk` of S scores.
+
+Bytes that must move: the cache's rows (S·68 B per query), q, the head weights and the
+selections' output; the route also writes and re-reads one f32 score per position (counted in
+`bytes_route`). Achieved bandwidth = bytes / time, against the copy ceiling measured in the same
+run. Returns a plain JSON-able dict; errors are recorded, not raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import traceback
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import timing
+from pallas_kernels.pooled_scoring import kernel_mgpu
+from pallas_kernels.source_scan import api
+from v41jax.ops import formats, pool
+
+BLOCK_SIZE = kernel_mgpu.BLOCK_SIZE
+
+
+def random_inputs(key, *, batch: int, n_pos: int, n_heads: int, dim: int):
+    """Random packed keys (random E2M1 bytes, E8M0 scales 2^-8..2^7), fake-quantized q, head
+    weights and full lengths."""
+    k_bytes, k_scales, k_q, k_w = jax.random.split(key, 4)
+    nibbles = jax.random.bits(k_bytes, (batch, n_pos, dim // 2), jnp.uint8)
+    scales = jax.random.randint(k_scales, (batch, n_pos, dim // 32), 119, 135).astype(jnp.uint8)
+    k_packed = jnp.concatenate([nibbles, scales], axis=-1)
+    q = formats.mxfp4_fake_quant(jax.random.normal(k_q, (batch, n_heads, dim), jnp.float32))
+    weights = jax.random.normal(k_w, (batch, n_heads), jnp.float32) * (dim * n_heads) ** -0.5
+    return k_packed, q, weights, jnp.full((batch,), n_pos, jnp.int32)
+
+
+def run(
+    contexts: tuple[int, ...] = (65536, 262144, 1048576),
+    batch: int = 64,
+    topk_blocks: int = 2048,
+    index_topk: int = 512,
+    n_heads: int = 32,
+    dim: int = 128,
+    iterations: int = 10,
+    n_datasets: int = 2,
+    copy_gbps: float | None = None,
+    progress: Callable[[dict], None] | None = None,
+) -> dict:
+    """Times the scan's XLA definition, the kernel route, and the route's two parts.
+
+    Args:
+      contexts: cache lengths S (index keys per sequence).
+      batch: decode queries (one sequence each).
+      topk_blocks: the pool's blocks (V4.1: 2,048); index_topk: the source's own picks (512).
+      n_heads, dim: indexer heads and head dim.
+      iterations: timed runs per data set (after one warm-up).
+      n_datasets: fresh random data sets per context (each holds a whole cache: 4.5 GB at
+        1 M x 64).
+      copy_gbps: the copy ceiling in GB/s; measured here when None.
+      progress: called with the partial result after every timing (e.g. to save it).
+    """
+    copy = {"GBps": copy_gbps} if copy_gbps else timing.copy_ceiling()
+    out = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "sizes": {
+            "batch": batch,
+            "topk_blocks": topk_blocks,
+            "index_topk": index_topk,
+            "block_size": BLOCK_SIZE,
+        },
+        "heads": n_heads,
+        "dim": dim,
+        "copy": copy,
+        "contexts": {},
+    }
+    select = dict(topk_blocks=topk_blocks, index_topk=index_topk)
+    for n_pos in contexts:
+        rows = batch * n_pos * formats.packed_row_bytes("mxfp4", dim)
+        small = batch * (n_heads * dim * 4 + n_heads * 4 + 4)  # q, weights, lengths
+        picks = batch * (topk_blocks * 4 + index_topk * 8)
+        entry = {
+            "n_pos": n_pos,
+            "bytes": rows + small + picks,
+            "bytes_route": rows + small + picks + 2 * batch * n_pos * 4,
+        }
+        out["contexts"][str(n_pos)] = entry
+        try:
+            datasets = [
+                random_inputs(
+                    jax.random.key(7000 * n_pos + i),
+                    batch=batch,
+                    n_pos=n_pos,
+                    n_heads=n_heads,
+                    dim=dim,
+                )
+                for i in range(n_datasets)
+            ]
+            jax.block_until_ready(datasets)
+        except Exception as e:  # recorded in the JSON
+            entry["error"] = repr(e)
+            continue
+
+        def timed(name, fn, data, n_bytes=None, entry=entry):
+            try:
+                result, _ = timing.measure(fn, data, iterations)
+                if n_bytes:
+                    result["GBps"] = n_bytes / result["median_ms"] / 1e6
+                    result["fraction_of_copy"] = result["GBps"] / copy["GBps"]
+                entry[name] = result
+            except Exception as e:
+                entry[name] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
+            if progress:
+                progress(out)
+
+        def scores_only(k_packed, q, weights, lengths, n_pos=n_pos):
+            ids = api.every_block(lengths, n_pos, BLOCK_SIZE)
+            return kernel_mgpu.pooled_scores_mgpu(k_packed, q, weights, ids, lengths)
+
+        # The definition first: its number survives a kernel failure.
+        scan = functools.partial(pool.candidate_source_scan, **select)
+        timed("xla_scan", jax.jit(scan), datasets, entry["bytes"])
+        route = functools.partial(api.candidate_source, implementation="pallas", **select)
+        timed("pallas_route", jax.jit(route), datasets, entry["bytes"])
+        timed("pallas_scores", jax.jit(scores_only), datasets, rows + small + batch * n_pos * 4)
+        del datasets  # room for the scores: 0.27 GB per data set at 1 M x 64
+        scores = [
+            (
+                jax.random.normal(jax.random.key(9000 * n_pos + i), (batch, n_pos)),
+                jnp.full((batch,), n_pos, jnp.int32),
+            )
+            for i in range(n_datasets)
+        ]
+        selections = functools.partial(pool.source_selection, **select)
+        timed("selections", jax.jit(selections), scores)
+        route_ms = entry.get("pallas_route", {}).get("median_ms")
+        if route_ms and "median_ms" in entry.get("xla_scan", {}):
+            entry["speedup_route_vs_xla_scan"] = entry["xla_scan"]["median_ms"] / route_ms
+        del scores
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the JSON here (and print it)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[65536, 262144, 1048576])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--datasets", type=int, default=2)
+    args = parser.parse_args()
+
+    def save(result):
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    result = run(
+        contexts=tuple(args.contexts),
+        batch=args.batch,
+        iterations=args.iterations,
+        n_datasets=args.datasets,
+        progress=save,
+    )
+    save(result)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""The candidate source's scan at decode (issue 16 item 1): its definition
+(`v41jax.ops.pool.candidate_source_scan`) against a numpy loop, and every implementation of
+`pallas_kernels.source_scan.candidate_source` against the definition on fresh random inputs:
+ragged lengths, an empty row, a cache length that is not a multiple of 8, each block reducer,
+both tie orders, and caches of equal rows where every score ties. On the CPU the pooled-scoring
+Mosaic GPU kernel runs in its interpreter; on a GPU (`-m gpu`) compiled, at a larger cache.
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
+
+from pallas_kernels.pooled_scoring import TuningConfig
+from pallas_kernels.source_scan import candidate_source
+from pallas_kernels.source_scan.api import every_block
+from v41jax.ops import formats
+from v41jax.ops.pool import block_scores, candidate_source_scan, source_selection
+from v41jax.ops.scoring import index_scores
+from v41jax.ops.scoring import topk as scoring_topk
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+
+pack_mxfp4 = jax.jit(functools.partial(formats.pack, fmt="mxfp4"))
+fake_quant = jax.jit(formats.mxfp4_fake_quant)
+SELECT = ("topk_blocks", "index_topk", "reduce", "tie_order")
+definition = jax.jit(candidate_source_scan, static_argnames=SELECT)
+scan = jax.jit(candidate_source, static_argnames=(*SELECT, "implementation", "config"))
+selection_of = jax.jit(source_selection, static_argnames=SELECT)
+# 203 positions: 26 blocks, the last one partial; interpreted with small tiles (several CTAs).
+CPU_SHAPE = {"batch": 4, "n_pos": 203}
+INTERPRET = {"implementation": "pallas_interpret", "config": TuningConfig(4, 2)}
+
+
+def make_inputs(seed, *, batch, n_pos, n_heads=3, dim=128, equal_rows=False):
+    """Packed MXFP4 keys (per-group scales vary), fake-quantized q, weights and ragged lengths
+    (row 0 full, row 2 empty when batch > 2); `equal_rows`: every row of a sequence the same."""
+    rng = np.random.default_rng(seed)
+    keys = rng.normal(size=(batch, 1 if equal_rows else n_pos, dim)).astype(np.float32)
+    group_scales = np.exp2(rng.integers(-3, 4, size=(*keys.shape[:2], dim // 32, 1)))
+    keys *= np.broadcast_to(group_scales, (*keys.shape[:2], dim // 32, 32)).reshape(keys.shape)
+    keys = np.broadcast_to(keys, (batch, n_pos, dim))
+    q = fake_quant(rng.normal(size=(batch, n_heads, dim)).astype(np.float32))
+    # Positive weights: with equal rows each query then has one score > 0 everywhere (no −0.0).
+    weights = np.abs(rng.normal(size=(batch, n_heads))).astype(np.float32) + 0.1
+    lengths = rng.integers(1, n_pos + 1, size=batch).astype(np.int32)
+    lengths[0] = n_pos
+    if batch > 2:
+        lengths[2] = 0
+    return pack_mxfp4(keys), q, weights, lengths
+
+
+def reference_scores(k_packed, q, weights, lengths):
+    keys = formats.unpack(k_packed, "mxfp4", q.shape[-1])
+    return index_scores(q[:, None], weights[:, None], keys, lengths[:, None])[:, 0]
+
+
+def numpy_selection(scores, lengths, topk_blocks, index_topk, reduce, tie_order):
+    """The source's two selections by plain loops: block scores over visible finite positions,
+    the block of the newest visible position pinned, the best blocks and positions with the tie
+    rule."""
+    scores = np.asarray(scores, np.float32)
+    batch, n_pos = scores.shape
+    n_blocks = -(-n_pos // 8)
+    ids = np.full((batch, topk_blocks), -1)
+    picks = np.full((batch, index_topk), -1)
+    older_first = tie_order == "oldest"
+    for b in range(batch):
+        n = int(min(lengths[b], n_pos))
+        ranked = []
+        for i in range(n_blocks):
+            s = scores[b, i * 8 : min(i * 8 + 8, n)]
+            s = s[np.isfinite(s)]
+            if i == (n - 1) // 8:  # pinned, even where its visible scores are all −inf
+                ranked.append((-np.inf, i if older_first else -i, i))
+                continue
+            if s.size == 0:
+                continue
+            # In float32 as the ops compute them: a mean's rounding decides its ties.
+            top2 = np.sort(s)[-2:]
+            value = {
+                "max": s.max(),
+                "mean": np.float32(s.sum(dtype=np.float32)) / np.float32(s.size),
+                "top2": np.float32(0.5) * top2[0] + np.float32(0.5) * top2[-1],
+            }[reduce]
+            ranked.append((-value, i if older_first else -i, i))
+        kept = sorted(i for *_, i in sorted(ranked)[:topk_blocks])
+        ids[b, : len(kept)] = kept
+        visible = [(-scores[b, p], p if older_first else -p, p) for p in range(n)]
+        best = sorted(p for *_, p in sorted(v for v in visible if np.isfinite(v[0]))[:index_topk])
+        picks[b, : len(best)] = best
+    return ids, picks
+
+
+def assert_same_choice(got, want, value_of, tol, what):
+    """Same chosen ids per row, except among ids whose reference value lies within `tol` of
+    the row's last kept value (there rounding may legitimately swap them); ascending, −1 after."""
+    got, want = np.asarray(got), np.asarray(want)
+    for b in range(got.shape[0]):
+        g, w = set(got[b][got[b] >= 0].tolist()), set(want[b][want[b] >= 0].tolist())
+        assert len(g) == len(w), (what, b, len(g), len(w))
+        kth = min((value_of[b][i] for i in w), default=0.0)
+        for i in g ^ w:
+            assert abs(value_of[b][i] - kth) <= tol, (what, b, i, value_of[b][i], kth)
+        np.testing.assert_array_equal(got[b][: len(g)], np.sort(got[b][: len(g)]))
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean", "top2"])
+@pytest.mark.parametrize("tie_order", ["oldest", "newest"])
+def test_selection_matches_a_numpy_loop_on_tied_scores(reduce, tie_order):
+    """`source_selection` picks exactly what the loops pick, on scores with many exact ties,
+    −inf entries, a row shorter than its scores and an empty row."""
+    rng = np.random.default_rng(zlib.crc32(f"{reduce}-{tie_order}".encode()))
+    scores = rng.integers(-2, 3, size=(4, 203)).astype(np.float32)
+    scores[rng.random(scores.shape) < 0.1] = -np.inf
+    lengths = np.array([203, 97, 0, 150], np.int32)
+    got = selection_of(
+        scores, lengths, topk_blocks=6, index_topk=20, reduce=reduce, tie_order=tie_order
+    )
+    ids, picks = numpy_selection(scores, lengths, 6, 20, reduce, tie_order)
+    np.testing.assert_array_equal(got.block_ids, ids)
+    np.testing.assert_array_equal(got.topk.indices, picks)
+    assert (np.asarray(got.block_ids[2]) == -1).all() and (
+        np.asarray(got.topk.indices[2]) == -1
+    ).all()
+
+
+@pytest.mark.parametrize("tie_order", ["oldest", "newest"])
+def test_the_sources_top_k_lies_in_its_top_k_blocks_by_max(tie_order):
+    """The route a scan kernel that writes only block scores can take (issue 16 item 1): the
+    source's top-k positions are exactly the top-k of the positions inside its best k blocks by
+    block max (ties by the same rule among blocks and among positions), so re-scoring those
+    blocks gives it without per-position scores. Scores with many ties, −inf, NaN, a row shorter
+    than its scores and an empty row."""
+    k = 12
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        scores = rng.integers(-3, 4, size=(4, 203)).astype(np.float32)
+        scores[rng.random(scores.shape) < 0.1] = -np.inf
+        scores[rng.random(scores.shape) < 0.02] = np.nan
+        lengths = np.array([203, rng.integers(1, 203), 0, rng.integers(1, 203)], np.int32)
+        visible = np.where(np.arange(203) < lengths[:, None], scores, -np.inf)
+        want = scoring_topk(visible, k, tie_order=tie_order)
+        # Block max over finite visible scores (NaN counts as −inf, as in the top-k); no pin.
+        finite = np.where(np.isnan(visible), -np.inf, visible)
+        block_max = np.pad(finite, ((0, 0), (0, 5)), constant_values=-np.inf).reshape(4, 26, 8)
+        best = scoring_topk(block_max.max(-1), k, tie_order=tie_order).indices
+        in_best = np.zeros((4, 26), bool)
+        for b in range(4):
+            in_best[b, best[b][best[b] >= 0]] = True
+        mask = np.repeat(in_best, 8, axis=1)[:, :203]
+        got = scoring_topk(visible, k, mask, tie_order=tie_order)
+        np.testing.assert_array_equal(got.indices, want.indices, err_msg=f"seed {seed}")
+
+
+def test_the_definition_scores_every_visible_position():
+    """The definition = the packed keys' scores (`index_scores` of the unpacked rows) selected
+    by the loops; positions at or past a row's length never appear."""
+    k_packed, q, weights, lengths = make_inputs(1, **CPU_SHAPE)
+    got = definition(k_packed, q, weights, lengths, topk_blocks=5, index_topk=17)
+    scores = reference_scores(k_packed, q, weights, lengths)
+    ids, picks = numpy_selection(scores, lengths, 5, 17, "max", "oldest")
+    np.testing.assert_array_equal(got.block_ids, ids)
+    np.testing.assert_array_equal(got.topk.indices, picks)
+    for b, n in enumerate(lengths):
+        assert (np.asarray(got.topk.indices[b]) < max(n, 1)).all()
+
+
+def test_every_block_is_the_cache_up_to_each_rows_last_visible_block():
+    ids = np.asarray(every_block(jnp.array([203, 9, 0, 8, 500]), 203, 8))
+    assert ids.shape == (5, 26)
+    np.testing.assert_array_equal(ids[0], np.arange(26))
+    np.testing.assert_array_equal(ids[1], [0, 1] + [-1] * 24)
+    assert (ids[2] == -1).all() and ids[3].tolist() == [0] + [-1] * 25
+    np.testing.assert_array_equal(ids[4], np.arange(26))  # clipped to the cache
+
+
+def run_case(seed, *, reduce="max", tie_order="oldest", topk_blocks=5, index_topk=17, **shape):
+    k_packed, q, weights, lengths = make_inputs(seed, **shape)
+    select = dict(
+        topk_blocks=topk_blocks, index_topk=index_topk, reduce=reduce, tie_order=tie_order
+    )
+    want = definition(k_packed, q, weights, lengths, **select)
+    got = scan(k_packed, q, weights, lengths, **select, **options_for_backend())
+    scores = np.asarray(reference_scores(k_packed, q, weights, lengths))
+    tol = 1e-5 * float(np.abs(scores[np.isfinite(scores)]).max(initial=1.0))
+    blocks = np.asarray(block_scores(scores, lengths, 8, reduce))
+    assert_same_choice(got.block_ids, want.block_ids, blocks, tol, "blocks")
+    assert_same_choice(got.topk.indices, want.topk.indices, scores, tol, "positions")
+    if not ON_GPU:
+        assert not mgpu_interpret.get_races().races_found
+    return got, want
+
+
+def options_for_backend():
+    return {"implementation": "pallas"} if ON_GPU else INTERPRET
+
+
+@pytest.mark.parametrize(
+    ("reduce", "tie_order"), [("max", "oldest"), ("mean", "newest"), ("top2", "oldest")]
+)
+def test_the_kernel_route_matches_the_definition(reduce, tie_order):
+    run_case(3, reduce=reduce, tie_order=tie_order, **CPU_SHAPE)
+
+
+@pytest.mark.parametrize("tie_order", ["oldest", "newest"])
+def test_the_kernel_route_keeps_the_tie_rule_when_every_score_ties(tie_order):
+    """Equal rows: every visible position of a row has one score, so the pool is the pinned
+    newest block and the oldest (newest) others, and the top-k the oldest (newest) positions,
+    exactly, in both implementations."""
+    k_packed, q, weights, lengths = make_inputs(4, equal_rows=True, **CPU_SHAPE)
+    select = dict(topk_blocks=4, index_topk=11, reduce="max", tie_order=tie_order)
+    want = definition(k_packed, q, weights, lengths, **select)
+    got = scan(k_packed, q, weights, lengths, **select, **options_for_backend())
+    np.testing.assert_array_equal(got.block_ids, want.block_ids)
+    np.testing.assert_array_equal(got.topk.indices, want.topk.indices)
+    n = int(lengths[0])
+    newest = (n - 1) // 8
+    others = [0, 1, 2] if tie_order == "oldest" else [newest - 3, newest - 2, newest - 1]
+    assert np.asarray(got.block_ids[0]).tolist() == sorted({*others, newest})
+    first = list(range(11)) if tie_order == "oldest" else list(range(n - 11, n))
+    assert np.asarray(got.topk.indices[0]).tolist() == first
+    assert (np.asarray(got.block_ids[2]) == -1).all()  # the empty row
+    assert (np.asarray(got.topk.indices[2]) == -1).all()
+
+
+def test_rejects_unsupported_arguments():
+    k_packed, q, weights, lengths = make_inputs(0, **CPU_SHAPE)
+    select = dict(topk_blocks=4, index_topk=8)
+    with pytest.raises(ValueError, match="implementation"):
+        candidate_source(k_packed, q, weights, lengths, **select, implementation="triton")
+    with pytest.raises(ValueError, match="score_dtype: expected 'float32', got 'bfloat16'"):
+        candidate_source(
+            k_packed, q, weights, lengths, **select, score_dtype="bfloat16", **INTERPRET
+        )
+    with pytest.raises(ValueError, match="block_size: expected 8, got 16"):
+        candidate_source(k_packed, q, weights, lengths, **select, block_size=16, **INTERPRET)
+    with pytest.raises(ValueError, match="k_packed"):
+        candidate_source(k_packed[..., :-1], q, weights, lengths, **select)
+    with pytest.raises(ValueError, match="lengths"):
+        candidate_source(k_packed, q, weights, lengths[:2], **select)
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_kernel_route_matches_the_definition_gpu():
+    """Compiled, on a 64 K-position cache (+3: not a multiple of 8), 32 heads, V4.1's pool of
+    2,048 blocks and top-512."""
+    run_case(5, batch=8, n_pos=65536 + 3, n_heads=32, topk_blocks=2048, index_topk=512)
