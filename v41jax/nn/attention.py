@@ -424,9 +424,9 @@ class Attention(nnx.Module):
             instead of gathering and unpacking in XLA, a Reindex layer inside the pool selects
             with `pooled_scores`, and the candidate source scans its packed index keys with the
             same kernel (`source_scan`); window-only layers and the other Full layers' scans
-            stay XLA. The
-            kernel's attention output is bf16 (float32 accumulation), widened to float32: ~2e-3
-            relative error against 'xla' (tests/test_decode_kernels.py bounds it by 1e-2).
+            stay XLA. The kernel's attention output is bf16 (float32 accumulation), widened to
+            float32: ~2e-3 relative error against 'xla' (tests/test_decode_kernels.py bounds it
+            by 1e-2).
           debug: stage the selection invariants (`v41jax.ops.invariants`).
 
         Returns:

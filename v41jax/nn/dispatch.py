@@ -66,9 +66,9 @@ def check_kernel_config(config: ModelConfig, implementation: str) -> None:
 
     Layers with compressed KV attend with `fp4_sparse_attention`; Reindex layers inside the pool
     select with `pooled_scores`, the candidate source with `source_scan.candidate_source`. Each
-    kernel's `supports` decides; 'xla' takes any config. The
-    numerics switches concern the selection only: `tie_order` and `neginf_picks` every
-    implementation honours, `index_score_dtype` the pooled-scoring kernel's `supports` judges.
+    kernel's `supports` decides; 'xla' takes any config. The numerics switches concern the
+    selection only: `tie_order` and `neginf_picks` every implementation honours,
+    `index_score_dtype` the pooled-scoring kernel's `supports` judges.
     """
     if implementation not in KERNEL_IMPLEMENTATIONS:
         return

@@ -11,7 +11,9 @@ candidate source's own top-k is not restricted.
 At decode a Reindex layer reads only the pool's packed index-key rows (DESIGN §6.1):
 `pooled_scores` is that op's definition (the pooled-scoring kernel is tested against it),
 `pooled_topk` its top-k, and `full_scan_topk` what the official reference does instead (score
-every position, mask outside the pool), which selects the same positions.
+every position, mask outside the pool), which selects the same positions. The candidate
+source's own decode step over its packed keys is `candidate_source_scan` (every position
+scored, then `source_selection`: the pool and the source's top-k).
 
 A sequence-sharded cache (issue 15, DESIGN §8) has the same pool and picks, bit for bit:
 `sharded_candidate_blocks`, `sharded_topk` (the candidate source's own top-k) and
