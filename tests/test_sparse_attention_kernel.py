@@ -3,7 +3,7 @@
 One parameterized base runs every backend of `fp4_sparse_attention` against
 `v41jax.ops.attention.packed_sparse_attention` on fresh random data: on CPU the Pallas kernels run
 interpreted ('pallas_interpret') at small sizes (outputs start as NaN there, so an unwritten
-element fails), on a GPU (`-m gpu`) at the real V4.1 size, 64 heads × 512. The inline-PTX
+element fails; the Mosaic GPU kernel runs with the interpreter's race detector on), on a GPU (`-m gpu`) at the real V4.1 size, 64 heads × 512. The inline-PTX
 decode of the Mosaic GPU kernel cannot run on CPU; its PTX programs are executed here
 instruction by instruction in numpy and checked bit for bit against `formats.unpack`.
 """
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
 
 from pallas_kernels.sparse_attention import api, kernel_mgpu
 from pallas_kernels.sparse_attention.bench import bf16_cache_attention, unpacked_caches
@@ -94,6 +95,12 @@ def rel_err(out, ref):
     return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
+def assert_no_races(implementation):
+    """The Mosaic GPU interpreter's race detector (on in `kernel_mgpu`) found no race."""
+    if implementation == "mgpu" and not ON_GPU:
+        assert not mgpu_interpret.get_races().races_found
+
+
 def check_against_reference(case, implementation):
     """The backend's output against the float32 definition on the same inputs: bf16 q for the
     kernels (their operand type; the definition widens it exactly), float32 q for 'xla'."""
@@ -111,6 +118,7 @@ def check_against_reference(case, implementation):
     assert rel_err(out, ref) <= tolerance
     if spec.get("empty_row"):
         assert np.all(np.asarray(out[0]) == 0)
+    assert_no_races(implementation)
     return attend, args, out
 
 
@@ -141,6 +149,7 @@ def test_split_kv_matches_reference(splits):
         assert rel_err(out, _reference(*args)) <= 1e-2
         if case == "empty_row":
             assert np.all(np.asarray(out[0]) == 0)
+        assert_no_races("mgpu")
 
 
 @pytest.mark.parametrize("implementation", ("xla", *KERNELS))

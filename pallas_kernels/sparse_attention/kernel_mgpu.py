@@ -742,7 +742,8 @@ def fp4_sparse_attention_mgpu(
             *([plgpu.SMEM((2, BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=_TILE)] * interpret),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        # The interpreter checks the kernel's shared-memory accesses for races (CPU tests).
+        interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
     )(q, kv_packed, window_packed, slots, sink)
     if splits > 1:
         out = _combine_splits(out, lse)
