@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import _common
+from pallas_kernels.source_scan.bench import random_inputs
 from v41jax import train
 from v41jax.ops import formats, pool
 from v41jax.ops.scoring import index_scores
@@ -227,18 +228,6 @@ def context_parallel(args, n: int) -> dict:
 # --------------------------------------------------------------------------- decode scan
 
 
-def _scan_inputs(key, *, batch, n_pos, heads, dim):
-    """Random MXFP4 index keys (random E2M1 bytes, E8M0 scales 2^-8..2^7), fake-quantized
-    queries, head weights, and every position visible."""
-    k_bytes, k_scales, k_q, k_w = jax.random.split(key, 4)
-    nibbles = jax.random.bits(k_bytes, (batch, n_pos, dim // 2), jnp.uint8)
-    scales = jax.random.randint(k_scales, (batch, n_pos, dim // 32), 119, 135).astype(jnp.uint8)
-    keys = jnp.concatenate([nibbles, scales], axis=-1)
-    q = formats.mxfp4_fake_quant(jax.random.normal(k_q, (batch, heads, dim), jnp.float32))
-    weights = jax.random.normal(k_w, (batch, heads), jnp.float32) * (dim * heads) ** -0.5
-    return keys, q, weights, jnp.full((batch,), n_pos, jnp.int32)
-
-
 def _scores(keys, q, weights, lengths):
     unpacked = formats.unpack(keys, "mxfp4", q.shape[-1])
     return index_scores(q[:, None], weights[:, None], unpacked, lengths[:, None])[:, 0]
@@ -260,7 +249,7 @@ def sharded_candidate_scan(keys, q, weights, lengths, *, blocks: int, mesh, axis
 
 
 def decode_scan(args, n: int) -> dict:
-    shape = dict(batch=args.scan_batch, heads=args.index_heads, dim=args.index_dim)
+    shape = dict(batch=args.scan_batch, n_heads=args.index_heads, dim=args.index_dim)
     keys = iter(jax.random.split(jax.random.key(0), 2 * (1 + args.steps) + 1))
     one = jax.jit(functools.partial(candidate_scan, blocks=args.scan_blocks))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("seq",))
@@ -271,11 +260,11 @@ def decode_scan(args, n: int) -> dict:
     rows = NamedSharding(mesh, P())
 
     def one_call():
-        data = jax.block_until_ready(_scan_inputs(next(keys), n_pos=args.scan_context, **shape))
+        data = jax.block_until_ready(random_inputs(next(keys), n_pos=args.scan_context, **shape))
         return lambda: one(*data)
 
     def sharded_data():
-        k, q, w, lens = _scan_inputs(next(keys), n_pos=n * args.scan_context, **shape)
+        k, q, w, lens = random_inputs(next(keys), n_pos=n * args.scan_context, **shape)
         return jax.device_put(k, spread), *jax.device_put((q, w, lens), rows)
 
     def sharded_call():
