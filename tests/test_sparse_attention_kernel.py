@@ -3,9 +3,10 @@
 One parameterized base runs every backend of `fp4_sparse_attention` against
 `v41jax.ops.attention.packed_sparse_attention` on fresh random data: on CPU the Pallas kernels run
 interpreted ('pallas_interpret') at small sizes (outputs start as NaN there, so an unwritten
-element fails; the Mosaic GPU kernel runs with the interpreter's race detector on), on a GPU (`-m gpu`) at the real V4.1 size, 64 heads × 512. The inline-PTX
-decode of the Mosaic GPU kernel cannot run on CPU; its PTX programs are executed here
-instruction by instruction in numpy and checked bit for bit against `formats.unpack`.
+element fails; the Mosaic GPU kernel runs with the interpreter's race detector on), on a GPU
+(`-m gpu`) at the real V4.1 size, 64 heads × 512. The inline-PTX decode of the Mosaic GPU kernel
+cannot run on CPU; its PTX programs are executed here instruction by instruction in numpy and
+checked bit for bit against `formats.unpack`.
 """
 
 import dataclasses
