@@ -13,6 +13,7 @@ GPU only: CUPTI is not available on the CPU.
 from __future__ import annotations
 
 import statistics
+import traceback
 from collections.abc import Callable, Sequence
 
 import jax
@@ -60,6 +61,34 @@ def measure(fn: Callable, datasets: Sequence[tuple], iterations: int = 10) -> tu
     if any(mosaic):  # the Pallas kernel alone, without the small XLA ops around it
         timing["mosaic_kernel_ms"] = statistics.median(mosaic)
     return timing, out
+
+
+def record(
+    entry: dict,
+    name: str,
+    fn: Callable,
+    datasets: Sequence[tuple],
+    iterations: int,
+    *,
+    n_bytes: int | None = None,
+    copy_gbps: float | None = None,
+) -> None:
+    """`measure(fn, datasets, iterations)` into `entry[name]`, with the achieved bandwidth where
+    `n_bytes` (the bytes that must move) is given: 'GBps' and 'fraction_of_copy' (of
+    `copy_gbps`), and 'kernel_GBps' / 'kernel_fraction_of_copy' over the Mosaic GPU kernels'
+    share when the call launches any. A failure is recorded as {'error', 'trace'}, not raised,
+    so the figures timed before it survive."""
+    try:
+        result, _ = measure(fn, datasets, iterations)
+        if n_bytes:
+            result["GBps"] = n_bytes / result["median_ms"] / 1e6
+            result["fraction_of_copy"] = result["GBps"] / copy_gbps
+            if "mosaic_kernel_ms" in result:
+                result["kernel_GBps"] = n_bytes / result["mosaic_kernel_ms"] / 1e6
+                result["kernel_fraction_of_copy"] = result["kernel_GBps"] / copy_gbps
+        entry[name] = result
+    except Exception as e:
+        entry[name] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
 
 
 def copy_ceiling(n_bytes: int = 2**30, iterations: int = 10) -> dict:

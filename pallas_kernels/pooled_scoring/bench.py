@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import time
-import traceback
 from collections.abc import Callable
 
 import jax
@@ -124,18 +123,10 @@ def run(
             continue
 
         def timed(name, fn, args_of=lambda d: d, n_bytes=None, entry=entry, datasets=datasets):
-            try:
-                result, _ = timing.measure(fn, [args_of(d) for d in datasets], iterations)
-                if n_bytes:
-                    result["GBps"] = n_bytes / result["median_ms"] / 1e6
-                    result["fraction_of_copy"] = result["GBps"] / copy["GBps"]
-                    if "mosaic_kernel_ms" in result:
-                        kernel_gbps = n_bytes / result["mosaic_kernel_ms"] / 1e6
-                        result["kernel_GBps"] = kernel_gbps
-                        result["kernel_fraction_of_copy"] = kernel_gbps / copy["GBps"]
-                entry[name] = result
-            except Exception as e:
-                entry[name] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
+            data = [args_of(d) for d in datasets]
+            timing.record(
+                entry, name, fn, data, iterations, n_bytes=n_bytes, copy_gbps=copy["GBps"]
+            )
             if progress:
                 progress(out)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-import traceback
 from collections.abc import Callable
 
 import jax
@@ -121,14 +120,9 @@ def run(
             continue
 
         def timed(name, fn, data, n_bytes=None, entry=entry):
-            try:
-                result, _ = timing.measure(fn, data, iterations)
-                if n_bytes:
-                    result["GBps"] = n_bytes / result["median_ms"] / 1e6
-                    result["fraction_of_copy"] = result["GBps"] / copy["GBps"]
-                entry[name] = result
-            except Exception as e:
-                entry[name] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
+            timing.record(
+                entry, name, fn, data, iterations, n_bytes=n_bytes, copy_gbps=copy["GBps"]
+            )
             if progress:
                 progress(out)
 
