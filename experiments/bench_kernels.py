@@ -1,7 +1,7 @@
 """The kernel benchmark of DESIGN §6, in one run on the H200: the two ceilings, then pooled
-scoring, the candidate source's scan and FP4 sparse attention against their XLA baselines (the
-project's device timer, `pallas_kernels.timing.measure`: CUPTI, warm-up, medians, fresh random
-data).
+scoring, FP4 sparse attention, the top-k and the candidate source's scan against their XLA
+baselines (the project's device timer, `pallas_kernels.timing.measure`: CUPTI, warm-up, medians,
+fresh random data).
 
     PYTHONPATH=. python3 experiments/bench_kernels.py --out experiments/results/bench_kernels.json
 
@@ -20,6 +20,7 @@ from pallas_kernels import timing
 from pallas_kernels.pooled_scoring import bench as scoring_bench
 from pallas_kernels.source_scan import bench as scan_bench
 from pallas_kernels.sparse_attention import bench as attention_bench
+from pallas_kernels.topk import bench as topk_bench
 
 
 def main() -> None:
@@ -41,6 +42,8 @@ def main() -> None:
     )
     save()
     report["sparse_attention"] = attention_bench.run(iterations=args.iterations)
+    save()
+    report["topk"] = topk_bench.run(iterations=args.iterations)
     save()
     report["source_scan"] = scan_bench.run(
         iterations=args.iterations, copy_gbps=report["copy"]["GBps"]

@@ -11,8 +11,9 @@
 
 The gradient (w.r.t. q and weights) is always the definition's (`jax.vjp`), so training can call
 the kernel's forward. With `topk`, the pool's best positions are selected from the scores
-(`ops.pool.pool_topk_from_scores`, `ops.scoring.topk`'s rules) and their scores carry the
-gradient.
+(`ops.pool.pool_topk_from_scores`, `ops.scoring.topk`'s rules; the kernel implementations select
+with `pallas_kernels.topk`'s radix select, the same picks without a sort) and their scores carry
+the gradient.
 
 The numerics switches (`ops.scoring`): `tie_order` and `neginf_picks` act in the top-k after the
 scores, so every implementation honours them; `score_dtype='bfloat16'` rounds inside the score
@@ -31,6 +32,7 @@ from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels import dispatch
 from pallas_kernels.pooled_scoring import kernel_mgpu
+from pallas_kernels.topk import api as topk_api
 from v41jax.ops import pool
 from v41jax.ops.scoring import TopK
 
@@ -191,4 +193,5 @@ def pooled_scores(
         lengths=jnp.minimum(lengths, k_packed.shape[1]),
         tie_order=tie_order,
         neginf_picks=neginf_picks,
+        select=functools.partial(topk_api.topk, implementation=implementation),
     )

@@ -13,7 +13,8 @@ switch (`pallas_kernels.dispatch`).
   definition's selections (`ops.pool.source_selection`) on the kernel's scores. The kernel reads
   the 68-byte rows once and never materializes the unpacked keys, which is what the XLA scan
   does (issue 16: 70.8 ms at 1 M x batch 64). It still writes one f32 score per position (4 B
-  against the 68 B row it reads) and the selections run in XLA; what it takes is the pooled
+  against the 68 B row it reads) and the selections run in XLA ops, their two top-k by
+  `pallas_kernels.topk`'s radix select (the same picks, no sort); what it takes is the pooled
   kernel's `supports`.
 
 Selections: the same rules in every implementation (`tie_order`; the pool pins the block of the
@@ -25,11 +26,14 @@ rule in both. Decode only: no gradient.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels import dispatch
 from pallas_kernels.pooled_scoring import kernel_mgpu
+from pallas_kernels.topk import api as topk_api
 from v41jax.ops import pool
 from v41jax.ops.pool import BlockReducer, SourceSelection
 
@@ -134,4 +138,5 @@ def candidate_source(
         config=config or kernel_mgpu.TuningConfig(),
         interpret=dispatch.interpret(implementation),
     )
-    return pool.source_selection(scores[:, :n_pos], lengths, **selection)
+    select = functools.partial(topk_api.topk, implementation=implementation)
+    return pool.source_selection(scores[:, :n_pos], lengths, select=select, **selection)

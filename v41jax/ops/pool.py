@@ -82,6 +82,11 @@ in `scores`. The reducer only needs to be right for blocks with at least one val
 block with none scores −inf whatever the reducer returns (`select_candidate_blocks` enforces it).
 """
 
+Select = Callable[..., TopK]
+"""A top-k selection called as `select(scores, k, tie_order=...)` that returns what
+`scoring.topk(scores, k, tie_order=...)` returns (no mask, −inf picks dropped): `topk` itself, or
+another implementation of the same picks (`pallas_kernels.topk`) that a kernel route passes."""
+
 
 def block_max(
     scores: Float[Array, "*batch n_blocks block_size"],
@@ -625,6 +630,7 @@ def pool_topk_from_scores(
     lengths: Int[ArrayLike, "*batch"] | None = None,
     tie_order: str = "oldest",
     neginf_picks: str = "drop",
+    select: Select = topk,
 ) -> TopK:
     """The k best pool slots as positions, sorted ascending, −1 padded (`scoring.topk`'s rules).
 
@@ -635,10 +641,13 @@ def pool_topk_from_scores(
       with visible positions (< `lengths`, required then) outside the pool's blocks, in the tie
       order (the lowest positions first, or the highest), scores −inf: the reference's rule.
 
+    `select` is the top-k of the slots: `scoring.topk`, or an implementation of the same picks
+    (`Select`; the kernel routes pass `pallas_kernels.topk`'s).
+
     Returns `TopK(indices [..., k] int32 positions, scores [..., k])`.
     """
     tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
-    picks = topk(scores, k, tie_order=tie_order)
+    picks = select(scores, k, tie_order=tie_order)
     return _slot_picks_to_positions(
         picks, block_ids, k, block_size, lengths, tie_order, neginf_picks
     )
@@ -854,15 +863,17 @@ def source_selection(
     block_size: int = 8,
     reduce: str | BlockReducer = "max",
     tie_order: str = "oldest",
+    select: Select = topk,
 ) -> SourceSelection:
     """The candidate source's two selections from its scores of every position: the pool
     (`select_candidate_blocks`' rule, without building its mask) and its own top-k
-    (`scoring.topk`, no mask: −inf picks are dropped). Scores ≥ lengths are ignored."""
+    (`scoring.topk`, no mask: −inf picks are dropped). Scores ≥ lengths are ignored. `select`
+    makes both top-k selections (`Select`: `scoring.topk` or the same picks otherwise)."""
     blocks = block_scores(scores, lengths, block_size, reduce)
-    block_ids = topk_indices(blocks, topk_blocks, tie_order=tie_order)
+    block_ids = select(blocks, topk_blocks, tie_order=tie_order).indices
     position = jnp.arange(scores.shape[-1])
     visible = jnp.where(position < jnp.asarray(lengths)[..., None], scores, -jnp.inf)
-    return SourceSelection(block_ids, topk(visible, index_topk, tie_order=tie_order))
+    return SourceSelection(block_ids, select(visible, index_topk, tie_order=tie_order))
 
 
 def candidate_source_scan(

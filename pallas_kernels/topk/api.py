@@ -1,0 +1,104 @@
+"""The top-k after a kernel's scores: one entry point over the project's `implementation=` switch
+(`pallas_kernels.dispatch`).
+
+    picks = topk(scores, 512, implementation="pallas")   # TopK: positions ascending, −1 padded
+
+- 'xla': `v41jax.ops.scoring.topk`, the definition: XLA's sort-based `lax.top_k`, then the picks
+  sorted by position.
+- 'pallas' / 'pallas_interpret': `radix.threshold_topk`, the same picks bit for bit (ties,
+  −inf, NaN and ±0 included) by radix select and compaction, no sort. It is made of XLA ops,
+  not a Pallas kernel: it runs the same on the GPU and the CPU, and stands in the kernel routes
+  where their scores are selected (pooled scoring with `topk`, the source scan's selections).
+  What it takes: `supports` (not `neginf_picks='keep'` with a mask).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from pallas_kernels import dispatch
+from pallas_kernels.topk import radix
+from v41jax.ops import scoring
+from v41jax.ops.checks import (
+    require_broadcast,
+    require_dtype,
+    require_min_ndim,
+    require_nonnegative_int,
+)
+from v41jax.ops.scoring import TopK
+
+
+def supports(
+    implementation: str, *, masked: bool = False, neginf_picks: str = "drop", digit_bits: int = 4
+) -> dispatch.Support:
+    """Whether `implementation` takes a top-k with (`masked`) or without a mask, under
+    `neginf_picks`, deciding `digit_bits` bits per counting pass ('xla' takes every call)."""
+    dispatch.check_implementation(implementation)
+    if implementation == "xla":
+        return dispatch.Support("xla")
+    return dispatch.support(
+        "radix select (pallas_kernels.topk.radix)",
+        (
+            not (masked and neginf_picks == "keep"),
+            "neginf_picks",
+            "'drop' with a mask (out-of-mask picks are the definition's: implementation='xla')",
+            neginf_picks,
+        ),
+        (digit_bits in radix.DIGIT_BITS, "digit_bits", f"one of {radix.DIGIT_BITS}", digit_bits),
+    )
+
+
+def topk(
+    scores: Float[Array, "*batch n_pos"],
+    k: int,
+    mask: Bool[Array, "*batch n_pos"] | None = None,
+    *,
+    tie_order: str = "oldest",
+    neginf_picks: str = "drop",
+    implementation: str = "xla",
+    digit_bits: int = 4,
+) -> TopK:
+    """`ops.scoring.topk(scores, k, mask, tie_order=..., neginf_picks=...)` by `implementation`.
+
+    Args:
+      scores, k, mask, tie_order, neginf_picks: as `ops.scoring.topk` (its checks and errors).
+      implementation: 'xla' | 'pallas' | 'pallas_interpret' (module docstring).
+      digit_bits: key bits each counting pass of the radix select decides (`radix.DIGIT_BITS`;
+        fewer bits: more passes, fewer counts per pass).
+
+    Returns:
+      `TopK(indices [..., k] int32 ascending then −1, scores [..., k] float32)`, equal to the
+      definition's.
+    """
+    dispatch.check_implementation(implementation)
+    if implementation == "xla":
+        return scoring.topk(scores, k, mask, tie_order=tie_order, neginf_picks=neginf_picks)
+    scores = jnp.asarray(scores)
+    require_dtype("scores", scores, "floating")
+    require_min_ndim("scores", scores, 1, "[..., n_pos]")
+    k = require_nonnegative_int("k", k)
+    tie_order = scoring.require_option("tie_order", tie_order, scoring.TIE_ORDERS)
+    neginf_picks = scoring.require_option("neginf_picks", neginf_picks, scoring.NEGINF_PICKS)
+    n_pos = scores.shape[-1]
+    if k > max(n_pos, scoring.MAX_PADDED_K):
+        raise ValueError(
+            f"k: expected at most max(n_pos={n_pos}, {scoring.MAX_PADDED_K}) picks, got {k}"
+        )
+    supported = supports(
+        implementation, masked=mask is not None, neginf_picks=neginf_picks, digit_bits=digit_bits
+    )
+    if not supported:
+        raise supported.error()
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        require_dtype("mask", mask, "bool")
+        require_broadcast("mask", mask.shape, scores.shape)
+        scores = jnp.where(mask, scores, -jnp.inf)
+    n_picks = min(k, n_pos)
+    picks = radix.threshold_topk(scores, n_picks, tie_order=tie_order, digit_bits=digit_bits)
+    pad = [(0, 0)] * (scores.ndim - 1) + [(0, k - n_picks)]
+    return TopK(
+        jnp.pad(picks.indices, pad, constant_values=-1),
+        jnp.pad(picks.scores, pad, constant_values=-jnp.inf),
+    )

@@ -1,0 +1,142 @@
+"""The top-k of the decode step on the GPU (issue 16 item 2; DESIGN §6 "How to measure").
+
+    PYTHONPATH=. python3 -m pallas_kernels.topk.bench --out topk.json   # also prints it
+
+`run(...)` times `pallas_kernels.topk.topk` with the definition's sort ('xla': `lax.top_k`, then
+the picks sorted by position) and with the radix select ('pallas', one entry per pass width),
+with the project's device timer (`pallas_kernels.timing.measure`: CUPTI, warm-up, medians) on
+several fresh random data sets, at the three selections of a V4.1 decode step at 1 M tokens,
+batch 64:
+
+- `pool_slots`: a Reindex layer's top-512 of its pool's 2,048 blocks × 8 slots (after the
+  pooled-scoring kernel: issue 16 measured this top-k at 2.5× the kernel);
+- `source_blocks`: the candidate source's pool, the top 2,048 of 131,072 block scores;
+- `source_positions`: the candidate source's own top-512 of 1,048,576 position scores (what
+  the source-scan route selects from today).
+
+The scores are ReLU-like (a third of them exactly 0, a tenth −inf), so ties are as common as
+in the model. Every entry also records whether the radix select's picks equal the sort's on the
+data it was timed on. Returns a plain JSON-able dict; errors are recorded, not raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import timing
+from pallas_kernels.topk import api
+
+SHAPES = {
+    "pool_slots": (16_384, 512),
+    "source_blocks": (131_072, 2_048),
+    "source_positions": (1_048_576, 512),
+}
+"""name: (scores per query, k) at 1 M tokens, pool 2,048 blocks of 8, index_topk 512."""
+
+
+def random_scores(key, batch: int, n: int):
+    """ReLU-like scores: normal, a third exactly 0 (ties), a tenth −inf (invisible)."""
+    k_x, k_zero, k_inf = jax.random.split(key, 3)
+    x = jax.random.normal(k_x, (batch, n), jnp.float32)
+    x = jnp.where(jax.random.uniform(k_zero, (batch, n)) < 1 / 3, 0.0, x)
+    return (jnp.where(jax.random.uniform(k_inf, (batch, n)) < 0.1, -jnp.inf, x),)
+
+
+def run(
+    shapes: dict[str, tuple[int, int]] = SHAPES,
+    batch: int = 64,
+    digit_bits: tuple[int, ...] = (2, 4, 8),
+    iterations: int = 10,
+    n_datasets: int = 2,
+    progress: Callable[[dict], None] | None = None,
+) -> dict:
+    """Times the sort and the radix select (each of `digit_bits`) at each of `shapes`.
+
+    Args:
+      shapes: name → (scores per query, k).
+      batch: queries (rows).
+      digit_bits: the radix select's pass widths to time.
+      iterations: timed runs per data set (after one warm-up).
+      n_datasets: fresh random data sets per shape.
+      progress: called with the partial result after every timing (e.g. to save it).
+    """
+    out = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "batch": batch,
+        "shapes": {},
+    }
+    for name, (n, k) in shapes.items():
+        entry = {"n": n, "k": k}
+        out["shapes"][name] = entry
+        try:
+            datasets = [
+                random_scores(jax.random.key(31 * n + i), batch, n) for i in range(n_datasets)
+            ]
+            jax.block_until_ready(datasets)
+        except Exception as e:  # recorded in the JSON
+            entry["error"] = repr(e)
+            continue
+        sort = jax.jit(functools.partial(api.topk, k=k, implementation="xla"))
+        timing.record(entry, "xla_sort", sort, datasets, iterations)
+        if progress:
+            progress(out)
+        want = sort(*datasets[-1])
+        for bits in digit_bits:
+            label = f"radix_{bits}bit"
+            select = jax.jit(
+                functools.partial(api.topk, k=k, implementation="pallas", digit_bits=bits)
+            )
+            timing.record(entry, label, select, datasets, iterations)
+            if "median_ms" in entry[label]:
+                got = select(*datasets[-1])
+                entry[label]["equal_to_sort"] = bool(
+                    np.array_equal(got.indices, want.indices)
+                    and np.array_equal(got.scores, want.scores)
+                )
+                entry[label]["speedup_vs_sort"] = (
+                    entry["xla_sort"].get("median_ms", float("nan")) / entry[label]["median_ms"]
+                )
+            if progress:
+                progress(out)
+        del datasets
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the JSON here (and print it)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--digit-bits", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--datasets", type=int, default=2)
+    args = parser.parse_args()
+
+    def save(result):
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    result = run(
+        batch=args.batch,
+        digit_bits=tuple(args.digit_bits),
+        iterations=args.iterations,
+        n_datasets=args.datasets,
+        progress=save,
+    )
+    save(result)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""The top-k of the kernel routes (issue 16 item 2): `pallas_kernels.topk`'s radix select against
+the definition, `ops.scoring.topk`, bit for bit (indices and score bits) on fresh random rows
+with ties, ±0, −inf, +inf, NaN, subnormals and the float32 extremes, every tie order and pass
+width, k from 0 past the row's length; its parts against numpy; its errors; and the kernel
+routes of pooled scoring and the source scan selecting through it.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pallas_kernels.topk import radix, supports, topk
+from v41jax.ops import scoring
+
+F32 = np.finfo(np.float32)
+SPECIAL = np.array(
+    [-np.inf, np.inf, 0.0, -0.0, 1.0, -1.0, F32.max, -F32.max, F32.smallest_subnormal,
+     -F32.smallest_subnormal, F32.tiny, 2.5, np.nan],
+    np.float32,
+)  # fmt: skip
+STATIC = ("k", "tie_order", "neginf_picks", "implementation", "digit_bits")
+fast = jax.jit(topk, static_argnames=STATIC)
+definition = jax.jit(scoring.topk, static_argnames=("k", "tie_order", "neginf_picks"))
+
+
+def random_rows(rng, shape, kind):
+    """Scores of one `kind`: 'normal' (distinct), 'ties' (small integers), 'relu' (ReLU scores:
+    zeros of both signs, −inf at invisible positions, a few NaN), 'special' (only the values
+    of `SPECIAL`)."""
+    if kind == "normal":
+        return rng.normal(size=shape).astype(np.float32)
+    if kind == "ties":
+        return rng.integers(-2, 3, size=shape).astype(np.float32)
+    if kind == "relu":
+        x = np.maximum(rng.normal(size=shape), 0).astype(np.float32)
+        x[rng.random(shape) < 0.2] = -0.0
+        x[rng.random(shape) < 0.3] = -np.inf
+        x[rng.random(shape) < 0.05] = np.nan
+        return x
+    return rng.choice(SPECIAL, size=shape)
+
+
+def assert_same_picks(got, want):
+    np.testing.assert_array_equal(got.indices, want.indices)
+    # Bits, not values: −0.0 against +0.0 and NaN against −inf would pass a value comparison.
+    np.testing.assert_array_equal(
+        np.asarray(got.scores).view(np.uint32), np.asarray(want.scores).view(np.uint32)
+    )
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "relu", "special"])
+@pytest.mark.parametrize("tie_order", scoring.TIE_ORDERS)
+@pytest.mark.parametrize("digit_bits", [2, 3, 4, 8])
+def test_radix_select_equals_the_definition(kind, tie_order, digit_bits):
+    rng = np.random.default_rng([radix.DIGIT_BITS.index(digit_bits), len(kind), len(tie_order)])
+    for n in (1, 203):
+        scores = random_rows(rng, (3, n), kind)
+        for k in sorted({0, 1, n // 3, n - 1, n + 5}):
+            got = fast(
+                scores, k, tie_order=tie_order, implementation="pallas", digit_bits=digit_bits
+            )
+            assert_same_picks(got, definition(scores, k, tie_order=tie_order))
+
+
+@st.composite
+def score_cases(draw):
+    batch = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
+    n = draw(st.integers(1, 40))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kind = draw(st.sampled_from(["normal", "ties", "relu", "special"]))
+    return random_rows(rng, (*batch, n), kind), draw(st.integers(0, n + 3)), rng
+
+
+@given(
+    case=score_cases(),
+    tie_order=st.sampled_from(scoring.TIE_ORDERS),
+    masked=st.booleans(),
+    implementation=st.sampled_from(["pallas", "pallas_interpret"]),
+)
+def test_radix_select_equals_the_definition_property(case, tie_order, masked, implementation):
+    scores, k, rng = case
+    mask = rng.random(scores.shape) < 0.6 if masked else None
+    got = topk(scores, k, mask, tie_order=tie_order, implementation=implementation)
+    assert_same_picks(got, scoring.topk(scores, k, mask, tie_order=tie_order))
+
+
+@pytest.mark.parametrize("tie_order", scoring.TIE_ORDERS)
+def test_rows_where_everything_ties_or_nothing_is_reachable(tie_order):
+    n = 50
+    rows = np.stack(
+        [np.zeros(n), -np.zeros(n), np.full(n, -np.inf), np.full(n, np.nan), np.full(n, np.inf)]
+    ).astype(np.float32)
+    for k in (1, 17, n):
+        got = fast(rows, k, tie_order=tie_order, implementation="pallas")
+        assert_same_picks(got, definition(rows, k, tie_order=tie_order))
+        span = np.arange(k) if tie_order == "oldest" else np.arange(n - k, n)
+        np.testing.assert_array_equal(got.indices[0], span)  # the tie rule, spelled out
+        np.testing.assert_array_equal(got.indices[2], -1)  # −inf and NaN are never picked
+        np.testing.assert_array_equal(got.indices[3], -1)
+
+
+def test_order_keys_sort_as_the_floats():
+    values = np.array(
+        [-np.inf, -F32.max, -1.0, -F32.tiny, -F32.smallest_subnormal, 0.0, F32.smallest_subnormal,
+         F32.tiny, 1.0, F32.max, np.inf],
+        np.float32,
+    )  # fmt: skip
+    keys = np.asarray(radix.order_keys(jnp.asarray(values)))
+    assert np.all(np.diff(keys.astype(np.int64)) > 0), keys
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=1000).astype(np.float32) * np.exp2(rng.integers(-40, 40, 1000))
+    keys = np.asarray(radix.order_keys(jnp.asarray(x)))
+    np.testing.assert_array_equal(np.argsort(keys, kind="stable"), np.argsort(x, kind="stable"))
+
+
+@pytest.mark.parametrize("digit_bits", [1, 2, 5])
+def test_largest_threshold_against_a_count(digit_bits):
+    rng = np.random.default_rng(digit_bits)
+    keys = rng.integers(0, 2**12, size=(4, 30)).astype(np.uint32)
+    keys[1] = 7  # one value everywhere
+    eligible = rng.random(keys.shape) < 0.7
+    need = np.array([1, 30, 5, 40], np.int32)  # the last one: not enough keys, t = 0
+    got = radix.largest_threshold(jnp.asarray(keys), jnp.asarray(eligible), need, 12, digit_bits)
+    for row in range(4):
+        counts = [np.sum(eligible[row] & (keys[row] >= t)) for t in range(2**12)]
+        want = max([t for t, c in enumerate(counts) if c >= need[row]], default=0)
+        assert int(got[row]) == want, (row, int(got[row]), want)
+
+
+def test_the_kernel_routes_select_with_it(monkeypatch):
+    """Pooled scoring's `topk` and the source scan's selections run the radix select under the
+    kernel implementations (not the definition's sort), and their picks still equal 'xla''s."""
+    from pallas_kernels.pooled_scoring import TuningConfig, pooled_scores
+    from pallas_kernels.source_scan import candidate_source
+    from pallas_kernels.source_scan.bench import random_inputs
+
+    calls = []
+    real = radix.threshold_topk
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(radix, "threshold_topk", counted)
+    k_packed, q, weights, lengths = random_inputs(
+        jax.random.key(5), batch=2, n_pos=64, n_heads=2, dim=128
+    )
+    lengths = jnp.array([64, 21], jnp.int32)
+    block_ids = jnp.array([[0, 3, 5, -1], [1, 2, -1, -1]], jnp.int32)
+    route = {"implementation": "pallas_interpret", "config": TuningConfig(4, 2)}
+    pooled = functools.partial(pooled_scores, k_packed, q, weights, block_ids, lengths, topk=6)
+    assert_same_picks(pooled(**route), pooled())
+    assert calls == [6]
+    source = functools.partial(
+        candidate_source, k_packed, q, weights, lengths, topk_blocks=3, index_topk=5
+    )
+    got, want = source(**route), source()
+    np.testing.assert_array_equal(got.block_ids, want.block_ids)
+    assert_same_picks(got.topk, want.topk)
+    assert calls == [6, 3, 5]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"k": -1}, "k"),
+        ({"k": 2**17}, "k"),
+        ({"tie_order": "random"}, "tie_order"),
+        ({"neginf_picks": "all"}, "neginf_picks"),
+        ({"implementation": "cuda"}, "implementation"),
+        ({"digit_bits": 7}, "digit_bits"),
+        ({"mask": np.ones((2, 9), bool), "neginf_picks": "keep"}, "neginf_picks"),
+        ({"mask": np.ones((2, 9), np.int32)}, "mask"),
+        ({"scores": np.ones((2, 9), np.int32)}, "scores"),
+    ],
+)
+def test_errors_name_the_argument(kwargs, name):
+    call = {"scores": np.ones((2, 9), np.float32), "k": 3, "implementation": "pallas", **kwargs}
+    with pytest.raises(ValueError, match=rf"(^|: ){name}: expected"):
+        topk(**call)
+
+
+def test_supports_says_what_it_takes():
+    assert supports("xla", masked=True, neginf_picks="keep")
+    assert supports("pallas", masked=True)
+    assert supports("pallas", masked=False, neginf_picks="keep")
+    limited = supports("pallas", masked=True, neginf_picks="keep", digit_bits=7)
+    assert not limited
+    assert [limit.argument for limit in limited.limits] == ["neginf_picks", "digit_bits"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU as jax's default backend")
+def test_the_benchmark_times_equal_picks_gpu():
+    """The benchmark's radix select gives the sort's picks on its own data (compiled on a GPU,
+    at the pool's size), and its timings come back."""
+    from pallas_kernels.topk import bench
+
+    result = bench.run(shapes={"pool_slots": (16_384, 512)}, digit_bits=(4,), iterations=2)
+    entry = result["shapes"]["pool_slots"]
+    assert "median_ms" in entry["xla_sort"], entry
+    assert entry["radix_4bit"]["equal_to_sort"], entry
