@@ -17,7 +17,8 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_i
 
 from pallas_kernels.pooled_scoring import TuningConfig
 from pallas_kernels.source_scan import candidate_source
-from pallas_kernels.source_scan.api import every_block
+from pallas_kernels.source_scan.api import every_block, selections, topk_through_blocks
+from pallas_kernels.topk import api as topk_api
 from v41jax.ops import formats
 from v41jax.ops.pool import block_scores, candidate_source_scan, source_selection
 from v41jax.ops.scoring import index_scores
@@ -131,31 +132,49 @@ def test_selection_matches_a_numpy_loop_on_tied_scores(reduce, tie_order):
 
 
 @pytest.mark.parametrize("tie_order", ["oldest", "newest"])
-def test_the_sources_top_k_lies_in_its_top_k_blocks_by_max(tie_order):
-    """The route a scan kernel that writes only block scores can take (issue 16 item 1): the
-    source's top-k positions are exactly the top-k of the positions inside its best k blocks by
-    block max (ties by the same rule among blocks and among positions), so re-scoring those
-    blocks gives it without per-position scores. Scores with many ties, −inf, NaN, a row shorter
-    than its scores and an empty row."""
-    k = 12
-    for seed in range(20):
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_the_sources_top_k_through_its_best_blocks_by_max(tie_order, implementation):
+    """The kernel route's own top-k (`topk_through_blocks`): the source's top-k positions are
+    exactly the top-k of the positions inside its best k blocks by block max (ties by the same
+    rule among blocks and among positions), so the route never selects over every position.
+    Scores with many ties, −inf, NaN, a row shorter than its scores and an empty row; k below,
+    at and above the block count; both selections (the sort and the radix select)."""
+    select = functools.partial(topk_api.topk, implementation=implementation)
+    through_blocks = jax.jit(topk_through_blocks, static_argnums=(2, 3, 4, 5))
+    for seed in range(8):
         rng = np.random.default_rng(seed)
         scores = rng.integers(-3, 4, size=(4, 203)).astype(np.float32)
         scores[rng.random(scores.shape) < 0.1] = -np.inf
         scores[rng.random(scores.shape) < 0.02] = np.nan
         lengths = np.array([203, rng.integers(1, 203), 0, rng.integers(1, 203)], np.int32)
         visible = np.where(np.arange(203) < lengths[:, None], scores, -np.inf)
-        want = scoring_topk(visible, k, tie_order=tie_order)
-        # Block max over finite visible scores (NaN counts as −inf, as in the top-k); no pin.
-        finite = np.where(np.isnan(visible), -np.inf, visible)
-        block_max = np.pad(finite, ((0, 0), (0, 5)), constant_values=-np.inf).reshape(4, 26, 8)
-        best = scoring_topk(block_max.max(-1), k, tie_order=tie_order).indices
-        in_best = np.zeros((4, 26), bool)
-        for b in range(4):
-            in_best[b, best[b][best[b] >= 0]] = True
-        mask = np.repeat(in_best, 8, axis=1)[:, :203]
-        got = scoring_topk(visible, k, mask, tie_order=tie_order)
-        np.testing.assert_array_equal(got.indices, want.indices, err_msg=f"seed {seed}")
+        for k in (1, 12, 26, 40, 250):
+            want = scoring_topk(visible, k, tie_order=tie_order)
+            got = through_blocks(scores, lengths, k, 8, tie_order, select)
+            np.testing.assert_array_equal(got.indices, want.indices, err_msg=f"{seed=} {k=}")
+            np.testing.assert_array_equal(got.scores, want.scores, err_msg=f"{seed=} {k=}")
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean", "top2"])
+@pytest.mark.parametrize("tie_order", ["oldest", "newest"])
+def test_the_routes_selections_equal_the_definitions(reduce, tie_order):
+    """`selections` under a kernel implementation (the radix select, the own top-k through the
+    best blocks) picks what the definition's `source_selection` picks from the same scores:
+    tied, −inf and NaN scores, ragged lengths, an empty row."""
+    rng = np.random.default_rng(len(reduce) + len(tie_order))
+    scores = rng.integers(-3, 4, size=(4, 203)).astype(np.float32)
+    scores[rng.random(scores.shape) < 0.1] = -np.inf
+    scores[rng.random(scores.shape) < 0.02] = np.nan
+    lengths = np.array([203, 77, 0, 150], np.int32)
+    for topk_blocks, index_topk in ((5, 12), (26, 203), (40, 300)):
+        rule = dict(
+            topk_blocks=topk_blocks, index_topk=index_topk, reduce=reduce, tie_order=tie_order
+        )
+        want = selection_of(scores, lengths, **rule)
+        got = selections(scores, lengths, implementation="pallas", **rule)
+        np.testing.assert_array_equal(got.block_ids, want.block_ids)
+        np.testing.assert_array_equal(got.topk.indices, want.topk.indices)
+        np.testing.assert_array_equal(got.topk.scores, want.topk.scores)
 
 
 def test_the_definition_scores_every_visible_position():

@@ -162,7 +162,7 @@ def test_the_kernel_routes_select_with_it(monkeypatch):
     got, want = source(**route), source()
     np.testing.assert_array_equal(got.block_ids, want.block_ids)
     assert_same_picks(got.topk, want.topk)
-    assert calls == [6, 3, 5]
+    assert calls == [6, 3, 5, 5]  # the pool; the best blocks by max, then their slots
 
 
 @pytest.mark.parametrize(

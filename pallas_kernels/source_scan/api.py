@@ -13,9 +13,11 @@ switch (`pallas_kernels.dispatch`).
   definition's selections (`ops.pool.source_selection`) on the kernel's scores. The kernel reads
   the 68-byte rows once and never materializes the unpacked keys, which is what the XLA scan
   does (issue 16: 70.8 ms at 1 M x batch 64). It still writes one f32 score per position (4 B
-  against the 68 B row it reads) and the selections run in XLA ops, their two top-k by
-  `pallas_kernels.topk`'s radix select (the same picks, no sort); what it takes is the pooled
-  kernel's `supports`.
+  against the 68 B row it reads) and the selections run in XLA ops: the pool's blocks, and the
+  source's own top-k through its best `index_topk` blocks by max (`topk_through_blocks`: a
+  selection over block maxima and one over those blocks' slots, never one over every
+  position), each top-k by `pallas_kernels.topk`'s radix select (the same picks, no sort);
+  what it takes is the pooled kernel's `supports`.
 
 Selections: the same rules in every implementation (`tie_order`; the pool pins the block of the
 newest visible position; the source's own top-k drops −inf picks). The kernel's scores differ
@@ -36,6 +38,7 @@ from pallas_kernels.pooled_scoring import kernel_mgpu
 from pallas_kernels.topk import api as topk_api
 from v41jax.ops import pool
 from v41jax.ops.pool import BlockReducer, SourceSelection
+from v41jax.ops.scoring import TopK
 
 
 def supports(
@@ -138,5 +141,61 @@ def candidate_source(
         config=config or kernel_mgpu.TuningConfig(),
         interpret=dispatch.interpret(implementation),
     )
+    return selections(scores[:, :n_pos], lengths, implementation=implementation, **selection)
+
+
+def selections(
+    scores: Float[Array, "batch n_pos"],
+    lengths: Int[Array, " batch"],
+    *,
+    topk_blocks: int,
+    index_topk: int,
+    block_size: int = 8,
+    reduce: str | BlockReducer = "max",
+    tie_order: str = "oldest",
+    implementation: str = "xla",
+) -> SourceSelection:
+    """The candidate source's two selections from its scores of every position (< lengths).
+
+    'xla': the definition's, `ops.pool.source_selection` (two sort-based top-k, one over every
+    position). The kernel implementations: the pool's blocks by the radix select, and the own
+    top-k by `topk_through_blocks` with it. The same picks from the same scores."""
+    dispatch.check_implementation(implementation)
+    rule = dict(block_size=block_size, reduce=reduce, tie_order=tie_order)
+    if implementation == "xla":
+        return pool.source_selection(
+            scores, lengths, topk_blocks=topk_blocks, index_topk=index_topk, **rule
+        )
     select = functools.partial(topk_api.topk, implementation=implementation)
-    return pool.source_selection(scores[:, :n_pos], lengths, select=select, **selection)
+    blocks = pool.block_scores(scores, lengths, block_size, reduce)
+    block_ids = select(blocks, topk_blocks, tie_order=tie_order).indices
+    own = topk_through_blocks(scores, lengths, index_topk, block_size, tie_order, select)
+    return SourceSelection(block_ids, own)
+
+
+def topk_through_blocks(
+    scores: Float[Array, "batch n_pos"],
+    lengths: Int[Array, " batch"],
+    k: int,
+    block_size: int,
+    tie_order: str,
+    select: pool.Select,
+) -> TopK:
+    """`scoring.topk(scores visible below lengths, k, tie_order=...)` through the k best blocks
+    by block max: the k best positions lie inside them (ties by the same rule among blocks and
+    among positions; `tests/test_source_scan.py` checks the identity), so the selection runs
+    over k/8 of the position count (block maxima), then over those blocks' k·block_size slots,
+    never over every position. NaN counts as −inf, as in `topk`. `select` makes both top-k."""
+    n_pos = scores.shape[-1]
+    n_blocks = -(-n_pos // block_size)
+    visible = jnp.arange(n_pos) < jnp.asarray(lengths)[:, None]
+    scores = jnp.where(visible & ~jnp.isnan(scores), scores, -jnp.inf)
+    padded = jnp.pad(scores, ((0, 0), (0, n_blocks * block_size - n_pos)), constant_values=-jnp.inf)
+    block_max = jnp.max(padded.reshape(-1, n_blocks, block_size), axis=-1)
+    best = select(block_max, min(k, n_blocks), tie_order=tie_order).indices  # ascending, −1
+    slots = pool.pool_positions(best, block_size)
+    slot_scores = jnp.take_along_axis(padded, jnp.maximum(slots, 0), axis=-1)
+    slot_scores = jnp.where(slots >= 0, slot_scores, -jnp.inf)
+    return pool.pool_topk_from_scores(
+        slot_scores, best, k, block_size=block_size, tie_order=tie_order, select=select
+    )

@@ -12,8 +12,11 @@ every query sees its whole cache:
 - `pallas_route`: `source_scan.candidate_source(implementation='pallas')`, the pooled-scoring
   kernel over every block, then the same selections in XLA;
 - `pallas_scores`: that kernel's part alone (every position's score written, no selection);
-- `selections`: the selections alone (`ops.pool.source_selection` on given scores): block
-  scores, the top-`topk_blocks` of S/8 block scores and the top-`index_topk` of S scores.
+- `selections_xla`: the definition's selections alone (`ops.pool.source_selection` on given
+  scores): block scores, the top-`topk_blocks` of S/8 block scores and the top-`index_topk` of
+  S scores, both by sort;
+- `selections_pallas`: the route's (`api.selections(implementation='pallas')`): the same picks
+  by the radix select, the own top-k through the best `index_topk` blocks by max.
 
 Bytes that must move: the cache's rows (S·68 B per query), q, the head weights and the
 selections' output; the route also writes and re-reads one f32 score per position (counted in
@@ -144,8 +147,9 @@ def run(
             )
             for i in range(n_datasets)
         ]
-        selections = functools.partial(pool.source_selection, **select)
-        timed("selections", jax.jit(selections), scores)
+        for implementation in ("xla", "pallas"):
+            chosen = functools.partial(api.selections, implementation=implementation, **select)
+            timed(f"selections_{implementation}", jax.jit(chosen), scores)
         route_ms = entry.get("pallas_route", {}).get("median_ms")
         if route_ms and "median_ms" in entry.get("xla_scan", {}):
             entry["speedup_route_vs_xla_scan"] = entry["xla_scan"]["median_ms"] / route_ms
