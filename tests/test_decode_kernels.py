@@ -220,7 +220,8 @@ def check_layerwise(case: Case, implementation: str) -> None:
         shared = ref_shared
         following = m.blocks[min(plan.layer + 1, cfg.n_layers - 1)]
         h, x = _next_block_input(block, following, h, out)
-    assert reindex_rows > 0, "no Reindex layer scored inside the pool"
+    if cfg.candidate_source_layer is not None:
+        assert reindex_rows > 0, "no Reindex layer scored inside the pool"
 
 
 class Run(NamedTuple):
@@ -297,11 +298,35 @@ def cpu_case() -> Case:
 def test_each_layer_matches_xla_small(cpu_case, monkeypatch):
     # The candidate source's picks must come from its scan route, not from the XLA scan that
     # would match them trivially.
-    routed = []
-    scan = dispatch.candidate_source
-    monkeypatch.setattr(dispatch, "candidate_source", lambda *a: routed.append(a[-1]) or scan(*a))
+    routed = route_recorder(monkeypatch)
     check_layerwise(cpu_case, SMALL_IMPLEMENTATION)
-    assert routed == [SMALL_IMPLEMENTATION]
+    assert routed == [(SMALL_IMPLEMENTATION, True)]
+
+
+def route_recorder(monkeypatch) -> list:
+    """Records (implementation, pool) of each call of the scan route (dispatch.candidate_source)."""
+    routed, scan = [], dispatch.candidate_source
+
+    def recorded(*args, **kwargs):
+        routed.append((args[-1], kwargs.get("pool", True)))
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "candidate_source", recorded)
+    return routed
+
+
+def test_a_full_layer_without_a_pool_scans_on_the_kernels_small(monkeypatch):
+    """A Full layer that is not the candidate source (here: a config without a pool) scans its
+    packed keys on the kernel route too, for its own top-k only, and still picks XLA's picks up
+    to ties; with index keys the scan cannot take, it scans in XLA (`scans_on_kernels`)."""
+    cfg = cpu_config().replace(candidate_source_layer=None)
+    routed = route_recorder(monkeypatch)
+    check_layerwise(make_case(cfg, CPU_LENGTHS, max_len=64), SMALL_IMPLEMENTATION)
+    assert routed == [(SMALL_IMPLEMENTATION, False)]
+    full = cfg.layers[1]
+    assert dispatch.scans_on_kernels(cfg, full, "pallas")
+    assert not dispatch.scans_on_kernels(cfg.replace(index_format="bf16"), full, "pallas")
+    assert not dispatch.scans_on_kernels(cfg, full, "xla")
 
 
 def test_greedy_decode_matches_xla_small(cpu_case):

@@ -18,7 +18,7 @@ from pallas_kernels import pooled_scoring as pooled_kernel
 from pallas_kernels import source_scan as source_kernel
 from pallas_kernels import sparse_attention as attention_kernel
 from pallas_kernels.dispatch import IMPLEMENTATIONS, KERNEL_IMPLEMENTATIONS
-from v41jax.nn.config import ModelConfig, Role
+from v41jax.nn.config import LayerPlan, ModelConfig, Role
 from v41jax.ops.pool import SourceSelection
 from v41jax.ops.scoring import TopK
 
@@ -31,6 +31,7 @@ __all__ = [
     "check_implementation",
     "check_kernel_config",
     "pooled_topk",
+    "scans_on_kernels",
 ]
 
 PREFILL_IMPLEMENTATIONS = ("xla",)
@@ -60,6 +61,31 @@ def check_implementation(implementation: str, *, decode: bool = False) -> None:
         )
 
 
+def _scoring(config: ModelConfig) -> dict:
+    """The scoring kernels' `supports` arguments of a config."""
+    return dict(
+        fmt=config.index_format,
+        dim=config.index_head_dim,
+        block_size=config.candidate_block_size,
+        n_heads=config.index_n_heads,
+        score_dtype=config.index_score_dtype,
+    )
+
+
+def scans_on_kernels(config: ModelConfig, plan: LayerPlan, implementation: str) -> bool:
+    """Whether a Full layer scans its packed index keys on the kernel route
+    (`source_scan.candidate_source`) at decode. The candidate source does under every kernel
+    implementation (`check_kernel_config` has checked that the scan takes the config). Another
+    Full layer (its own top-k only, no pool) does when the scan's `supports` takes the config,
+    and scans in XLA otherwise: its picks are the same up to float ties either way, and a
+    config without a pool keeps running the attention kernel whatever its index format."""
+    if plan.role is not Role.FULL or implementation not in KERNEL_IMPLEMENTATIONS:
+        return False
+    if plan.is_candidate_source:
+        return True
+    return bool(source_kernel.supports(implementation, **_scoring(config)))
+
+
 def check_kernel_config(config: ModelConfig, implementation: str) -> None:
     """Raise ValueError, naming every offending config field with its expected and received
     value, when `implementation` runs kernels on a config they cannot take.
@@ -78,13 +104,7 @@ def check_kernel_config(config: ModelConfig, implementation: str) -> None:
             implementation, kv_fmt=c.kv_format, window_fmt=c.window_format, dim=c.head_dim
         )
         limits += [(_ATTENTION_FIELDS[limit.argument], limit) for limit in support.limits]
-    scoring = dict(
-        fmt=c.index_format,
-        dim=c.index_head_dim,
-        block_size=c.candidate_block_size,
-        n_heads=c.index_n_heads,
-        score_dtype=c.index_score_dtype,
-    )
+    scoring = _scoring(c)
     scoring_limits = []
     if any(plan.uses_candidates for plan in c.layers):
         scoring_limits += pooled_kernel.supports(implementation, **scoring).limits
@@ -168,17 +188,20 @@ def candidate_source(
     weights: Float[Array, "b heads"],
     compress_lens: Int[Array, " b"],
     implementation: str,
+    *,
+    pool: bool = True,
 ) -> SourceSelection:
     """The candidate source's pool and own top-k at decode from its packed index keys
     (`ops.pool.candidate_source_scan` for 'xla'): the config's pool size, block size, block
     reducer, top-k, score dtype and tie order (positions ≥ compress_lens invisible; the source's
-    own top-k is unrestricted, so −inf picks are dropped under either `neginf_picks`)."""
+    own top-k is unrestricted, so −inf picks are dropped under either `neginf_picks`). With
+    `pool=False` (a Full layer that is not the source) the pool is empty: the own top-k only."""
     return source_kernel.candidate_source(
         index_k_packed,
         q,
         weights,
         compress_lens,
-        topk_blocks=config.candidate_topk_blocks,
+        topk_blocks=config.candidate_topk_blocks if pool else 0,
         index_topk=config.index_topk,
         block_size=config.candidate_block_size,
         fmt=config.index_format,

@@ -91,8 +91,9 @@ def select(
 
     With a kernel implementation (decode only: one query per sequence, T = 1), a Reindex layer
     inside the pool reads only the packed index keys of its pool's blocks
-    (`dispatch.pooled_topk`), and the candidate source scores its packed index keys with the
-    same kernel (`dispatch.candidate_source`), both keeping `topk_indices`' and
+    (`dispatch.pooled_topk`), and the candidate source (and any other Full layer whose keys the
+    scan takes: `dispatch.scans_on_kernels`) scores its packed index keys with the same kernel
+    (`dispatch.candidate_source`), all keeping `topk_indices`' and
     `select_candidate_blocks`' rules (the config's reducer, tie order and −inf picks, positions
     ≥ compress_lens invisible).
 
@@ -125,14 +126,23 @@ def select(
             implementation,
         )
         topk, scores = picks.indices[:, None], None
-    elif plan.is_candidate_source and implementation in dispatch.KERNEL_IMPLEMENTATIONS:
+    elif dispatch.scans_on_kernels(config, plan, implementation):
         lens = compress_lens[:, 0]
+        source = plan.is_candidate_source
         found = dispatch.candidate_source(
-            config, shared.index_k_packed, q[:, 0], weights[:, 0], lens, implementation
+            config,
+            shared.index_k_packed,
+            q[:, 0],
+            weights[:, 0],
+            lens,
+            implementation,
+            pool=source,
         )
-        n_pos = shared.index_k_packed.shape[1]
-        mask = pool_mask_from_block_ids(found.block_ids, n_pos, config.candidate_block_size, lens)
-        pool = CandidatePool(mask[:, None], found.block_ids[:, None])
+        if source:
+            n_pos = shared.index_k_packed.shape[1]
+            block_size = config.candidate_block_size
+            mask = pool_mask_from_block_ids(found.block_ids, n_pos, block_size, lens)
+            pool = CandidatePool(mask[:, None], found.block_ids[:, None])
         topk, scores = found.topk.indices[:, None], None
     else:
         # Rows are queries: split like the sequence under context parallelism (`sharding`).
