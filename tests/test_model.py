@@ -314,3 +314,20 @@ def test_with_fields_reads_the_same_parameters_under_another_config(tiny_model):
     assert pools[0].shape[-1] == 1 and pools[1].shape[-1] == 4
     with pytest.raises(ValueError, match=r"\['dim'\] change the model's parameters"):
         model.with_fields(tiny_model, dim=32)
+
+
+def test_a_donated_cache_decodes_the_same_and_is_handed_over(tiny_model):
+    """`decode_step(donate_cache=True)` returns what the copying step returns, bit for bit, and
+    the cache passed in is deleted (its buffers became the returned cache's)."""
+    cfg = tiny_model.config
+    tokens = _tokens(cfg, 2, 5, seed=3)
+    _, cache, _ = model.prefill(tiny_model, tokens, jnp.array([5, 3]), max_len=16)
+    step = jnp.array([1, 2], jnp.int32)
+    logits, kept, _ = model.decode_step(tiny_model, step, cache)
+    assert not cache.lengths.is_deleted()
+    copy = jax.tree.map(jnp.copy, cache)
+    donated_logits, donated, _ = model.decode_step(tiny_model, step, copy, donate_cache=True)
+    np.testing.assert_array_equal(donated_logits, logits)
+    for a, b in zip(jax.tree.leaves(donated), jax.tree.leaves(kept), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(copy))
