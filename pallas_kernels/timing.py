@@ -63,6 +63,40 @@ def measure(fn: Callable, datasets: Sequence[tuple], iterations: int = 10) -> tu
     return timing, out
 
 
+def measure_chain(step: Callable, state, steps: int, warmup: int = 1) -> tuple[dict, object]:
+    """Device time of `steps` chained calls `state = step(state)`, each timed on its own, after
+    `warmup` untimed ones (compilation): for a step that donates its input, such as a decode
+    step writing its cache in place, which `measure` cannot call twice on the same arguments.
+
+    Returns (timing with `measure`'s keys, without 'mosaic_kernel_ms' unless a Mosaic GPU kernel
+    ran, the state after the last step).
+    """
+    from jax.experimental.mosaic.gpu import profiler  # needs the CUDA build of jaxlib
+
+    for _ in range(warmup):
+        state = jax.block_until_ready(step(state))
+    totals, longest, mosaic, kernels = [], [], [], []
+    for _ in range(steps):
+        state, kernels = profiler.measure(step, iterations=1, aggregate=False)(state)
+        if kernels is None:
+            raise RuntimeError("measure_chain: the step launched no GPU kernel")
+        totals.append(sum(ms for _, ms in kernels))
+        longest.append(max(ms for _, ms in kernels))
+        mosaic.append(sum(ms for name, ms in kernels if "mosaic_gpu" in name))
+    timing = {
+        "median_ms": statistics.median(totals),
+        "min_ms": min(totals),
+        "max_ms": max(totals),
+        "runs": len(totals),
+        "times_ms": totals,
+        "longest_kernel_ms": statistics.median(longest),
+        "kernels": [{"name": name[:80], "ms": ms} for name, ms in kernels],
+    }
+    if any(mosaic):
+        timing["mosaic_kernel_ms"] = statistics.median(mosaic)
+    return timing, state
+
+
 def record(
     entry: dict,
     name: str,

@@ -2,7 +2,8 @@
 # The H200 session in one command (run through the device tool from the repository root, with
 # $OUT set): the GPU tests, the kernel benchmark, training throughput, a learnability probe.
 #   bash scripts/h200.sh            # everything, results under $OUT
-#   bash scripts/h200.sh tests      # one stage: tests | bench | throughput | learning | ablations
+#   bash scripts/h200.sh tests      # one stage: tests | bench | decode | throughput | learning |
+#                                   # ablations
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -21,6 +22,11 @@ if [[ $stage == all || $stage == tests ]]; then
 fi
 if [[ $stage == all || $stage == bench ]]; then
   "$PY" experiments/bench_kernels.py --out "$OUT/bench_kernels_h200.json" || status=1
+fi
+if [[ $stage == all || $stage == decode ]]; then
+  # issue 16 item 4: the decode step of small_kernels() at 64 K / 256 K / 1 M tokens, whole
+  # (cache donated, chained steps) and op by op, XLA against the kernels.
+  "$PY" experiments/bench_decode.py --out "$OUT/bench_decode_h200.json" || status=1
 fi
 if [[ $stage == all || $stage == throughput ]]; then
   "$PY" experiments/train_throughput.py --out "$OUT/train_throughput_h200.json" || status=1

@@ -758,3 +758,28 @@ def test_merge_reports_joins_the_sessions_of_a_study_plan(tmp_path):
     )
     assert json.loads((tmp_path / "sweep.json").read_text())["summary"]["pool8"]
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_bench_decode_check_runs_every_op_of_the_step(tmp_path):
+    """`bench_decode.py --check` (the CPU form of the decode-step benchmark): it fills a cache
+    with random packed rows, runs the XLA step, and runs each op of the step in XLA and with
+    the kernels interpreted; the ops it counts cover every attention call and every pooled
+    top-k of a step. Timing needs the GPU."""
+    from experiments import bench_decode
+    from v41jax.nn.config import Role
+
+    out = tmp_path / "decode.json"
+    report = bench_decode.main(["--check", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    (entry,) = report["contexts"].values()
+    counts = entry["counts"]
+    for implementation in ("xla", "pallas_interpret"):
+        assert all(entry[implementation][name] == {"ran": True} for name in counts)
+    assert entry["xla"]["step"] == {"ran": True}
+    layers = bench_decode.bench_config(8, 16).layers
+    attention = sum(n for name, n in counts.items() if name.startswith("attention_"))
+    assert attention == sum(plan.role is not Role.WINDOW for plan in layers)
+    assert counts["pooled_topk"] == sum(plan.role is Role.REINDEX for plan in layers)
+    assert counts["source_scan"] + counts["full_scan"] == sum(
+        plan.role is Role.FULL for plan in layers
+    )
