@@ -261,13 +261,15 @@ def decode_step(
     and sequence, `cache.global_kv_bytes_per_token`: 18 GB at 1 M tokens × 32 sequences), more
     than the step's own reads at long context.
     A serving loop donates; a caller that decodes the same cache twice (a comparison) does not.
+    `debug` and 'pallas_interpret' run without donation.
 
     `implementation` is one of `dispatch.IMPLEMENTATIONS`: 'xla' (gather, unpack, float32), or
     'pallas' on a Hopper GPU ('pallas_interpret': the same kernels interpreted on the CPU), where
     every layer with compressed KV attends with `fp4_sparse_attention` on the packed caches,
     every Reindex layer inside the candidate pool selects with `pooled_scores`, and the
     candidate source builds its pool and its own top-k with the same scoring kernel over every
-    block of its cache (`pallas_kernels.source_scan`). The kernels need
+    block of its cache (`pallas_kernels.source_scan`; another Full layer its own top-k, when
+    the scan takes its keys: `dispatch.scans_on_kernels`). The kernels need
     a config they can take (`dispatch.check_kernel_config` raises naming the fields otherwise;
     `config.small_kernels()` is one). Their attention output is bf16 with float32 accumulation
     (~2e-3 relative error per layer), so at small_kernels() size logits differ from 'xla' by up
