@@ -37,18 +37,22 @@ def measure(fn: Callable, datasets: Sequence[tuple], iterations: int = 10) -> tu
     from jax.experimental.mosaic.gpu import profiler  # needs the CUDA build of jaxlib
 
     fn = fn if hasattr(fn, "lower") else jax.jit(fn)
-    totals, longest, mosaic, split, out = [], [], [], [], None
+    calls, out = [], None
     for args in datasets:
         out, per_call = profiler.measure(fn, iterations=iterations, aggregate=False)(*args)
         if per_call is None:
             raise RuntimeError("measure: the function launched no GPU kernel")
         if iterations == 1:  # profiler.measure drops the per-call level for a single call
             per_call = [per_call]
-        for kernels in per_call:
-            totals.append(sum(ms for _, ms in kernels))
-            longest.append(max(ms for _, ms in kernels))
-            mosaic.append(sum(ms for name, ms in kernels if "mosaic_gpu" in name))
-        split = per_call[-1]
+        calls += per_call
+    return _summary(calls), out
+
+
+def _summary(calls: list[list[tuple[str, float]]]) -> dict:
+    """`measure`'s timing dict from the (kernel name, ms) list of every timed call."""
+    totals = [sum(ms for _, ms in kernels) for kernels in calls]
+    longest = [max(ms for _, ms in kernels) for kernels in calls]
+    mosaic = [sum(ms for name, ms in kernels if "mosaic_gpu" in name) for kernels in calls]
     timing = {
         "median_ms": statistics.median(totals),
         "min_ms": min(totals),
@@ -56,11 +60,11 @@ def measure(fn: Callable, datasets: Sequence[tuple], iterations: int = 10) -> tu
         "runs": len(totals),
         "times_ms": totals,
         "longest_kernel_ms": statistics.median(longest),
-        "kernels": [{"name": name[:80], "ms": ms} for name, ms in split],
+        "kernels": [{"name": name[:80], "ms": ms} for name, ms in calls[-1]],
     }
     if any(mosaic):  # the Pallas kernel alone, without the small XLA ops around it
         timing["mosaic_kernel_ms"] = statistics.median(mosaic)
-    return timing, out
+    return timing
 
 
 def measure_chain(step: Callable, state, steps: int, warmup: int = 1) -> tuple[dict, object]:
@@ -75,26 +79,13 @@ def measure_chain(step: Callable, state, steps: int, warmup: int = 1) -> tuple[d
 
     for _ in range(warmup):
         state = jax.block_until_ready(step(state))
-    totals, longest, mosaic, kernels = [], [], [], []
+    calls = []
     for _ in range(steps):
         state, kernels = profiler.measure(step, iterations=1, aggregate=False)(state)
         if kernels is None:
             raise RuntimeError("measure_chain: the step launched no GPU kernel")
-        totals.append(sum(ms for _, ms in kernels))
-        longest.append(max(ms for _, ms in kernels))
-        mosaic.append(sum(ms for name, ms in kernels if "mosaic_gpu" in name))
-    timing = {
-        "median_ms": statistics.median(totals),
-        "min_ms": min(totals),
-        "max_ms": max(totals),
-        "runs": len(totals),
-        "times_ms": totals,
-        "longest_kernel_ms": statistics.median(longest),
-        "kernels": [{"name": name[:80], "ms": ms} for name, ms in kernels],
-    }
-    if any(mosaic):
-        timing["mosaic_kernel_ms"] = statistics.median(mosaic)
-    return timing, state
+        calls.append(kernels)
+    return _summary(calls), state
 
 
 def record(

@@ -20,12 +20,6 @@ from jaxtyping import Array, Bool, Float
 from pallas_kernels import dispatch
 from pallas_kernels.topk import radix
 from v41jax.ops import scoring
-from v41jax.ops.checks import (
-    require_broadcast,
-    require_dtype,
-    require_min_ndim,
-    require_nonnegative_int,
-)
 from v41jax.ops.scoring import TopK
 
 
@@ -74,27 +68,17 @@ def topk(
     dispatch.check_implementation(implementation)
     if implementation == "xla":
         return scoring.topk(scores, k, mask, tie_order=tie_order, neginf_picks=neginf_picks)
-    scores = jnp.asarray(scores)
-    require_dtype("scores", scores, "floating")
-    require_min_ndim("scores", scores, 1, "[..., n_pos]")
-    k = require_nonnegative_int("k", k)
-    tie_order = scoring.require_option("tie_order", tie_order, scoring.TIE_ORDERS)
-    neginf_picks = scoring.require_option("neginf_picks", neginf_picks, scoring.NEGINF_PICKS)
-    n_pos = scores.shape[-1]
-    if k > max(n_pos, scoring.MAX_PADDED_K):
-        raise ValueError(
-            f"k: expected at most max(n_pos={n_pos}, {scoring.MAX_PADDED_K}) picks, got {k}"
-        )
+    scores, k, mask, tie_order, neginf_picks = scoring.check_topk_args(
+        scores, k, mask, tie_order, neginf_picks
+    )
     supported = supports(
         implementation, masked=mask is not None, neginf_picks=neginf_picks, digit_bits=digit_bits
     )
     if not supported:
         raise supported.error()
     if mask is not None:
-        mask = jnp.asarray(mask)
-        require_dtype("mask", mask, "bool")
-        require_broadcast("mask", mask.shape, scores.shape)
         scores = jnp.where(mask, scores, -jnp.inf)
+    n_pos = scores.shape[-1]
     n_picks = min(k, n_pos)
     picks = radix.threshold_topk(scores, n_picks, tie_order=tie_order, digit_bits=digit_bits)
     pad = [(0, 0)] * (scores.ndim - 1) + [(0, k - n_picks)]

@@ -282,6 +282,32 @@ def fill_picks(picks: TopK, extra: Int[Array, "*batch n"], k: int) -> TopK:
     )
 
 
+def check_topk_args(
+    scores: Float[ArrayLike, "*batch n_pos"],
+    k: int,
+    mask: Bool[ArrayLike, "*batch n_pos"] | None,
+    tie_order: str,
+    neginf_picks: str,
+) -> tuple[Float[Array, "*batch n_pos"], int, Bool[Array, "*batch n_pos"] | None, str, str]:
+    """`topk`'s argument checks (ValueError naming the argument), for every implementation of
+    it: returns (scores, k, mask) as arrays and ints, and the two options."""
+    scores = jnp.asarray(scores)
+    require_dtype("scores", scores, "floating")
+    require_min_ndim("scores", scores, 1, "[..., n_pos]")
+    k = require_nonnegative_int("k", k)
+    tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
+    neginf_picks = require_option("neginf_picks", neginf_picks, NEGINF_PICKS)
+    if k > max(scores.shape[-1], MAX_PADDED_K):
+        raise ValueError(
+            f"k: expected at most max(n_pos={scores.shape[-1]}, {MAX_PADDED_K}) picks, got {k}"
+        )
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        require_dtype("mask", mask, "bool")
+        require_broadcast("mask", mask.shape, scores.shape)
+    return scores, k, mask, tie_order, neginf_picks
+
+
 def topk(
     scores: Float[Array, "*batch n_pos"],
     k: int,
@@ -329,25 +355,15 @@ def topk(
       `TopK(indices [..., k] int32, scores [..., k] float32)`; valid indices come first in
       ascending order, then −1 (score −inf). A kept out-of-mask pick has score −inf.
     """
-    scores = jnp.asarray(scores)
-    require_dtype("scores", scores, "floating")
-    require_min_ndim("scores", scores, 1, "[..., n_pos]")
-    k = require_nonnegative_int("k", k)
-    tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
-    neginf_picks = require_option("neginf_picks", neginf_picks, NEGINF_PICKS)
-    if k > max(scores.shape[-1], MAX_PADDED_K):
-        raise ValueError(
-            f"k: expected at most max(n_pos={scores.shape[-1]}, {MAX_PADDED_K}) picks, got {k}"
-        )
+    scores, k, mask, tie_order, neginf_picks = check_topk_args(
+        scores, k, mask, tie_order, neginf_picks
+    )
     scores = scores.astype(jnp.float32)
     # −0.0 and +0.0 are equal scores and must tie (`lax.top_k` orders −0.0 below +0.0; a sum of
     # zero terms has either sign depending on the summation, e.g. prefill against decode).
     scores = jnp.where(jnp.isnan(scores), -jnp.inf, jnp.where(scores == 0, 0.0, scores))
     reachable = scores > -jnp.inf
     if mask is not None:
-        mask = jnp.asarray(mask)
-        require_dtype("mask", mask, "bool")
-        require_broadcast("mask", mask.shape, scores.shape)
         scores = jnp.where(mask, scores, -jnp.inf)
 
     n_pos = scores.shape[-1]
