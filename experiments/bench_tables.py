@@ -1,10 +1,11 @@
-"""Prints BENCHMARKS.md's tables from the committed JSON of `bench_kernels.py` and
-`train_throughput.py`, so the document's numbers are the JSON's, never retyped.
+"""Prints BENCHMARKS.md's tables from the committed JSON of `bench_kernels.py`, `bench_decode.py`
+and `train_throughput.py`, so the document's numbers are the JSON's, never retyped.
 
     python3 experiments/bench_tables.py experiments/results/bench_kernels_h200_2026-11-29.json
     python3 experiments/bench_tables.py --throughput experiments/results/train_throughput_*.json
     python3 experiments/bench_tables.py --long-context experiments/results/long_context_h200_*.json
     python3 experiments/bench_tables.py --groups experiments/results/train_throughput_group_*.json
+    python3 experiments/bench_tables.py --decode experiments/results/bench_decode_h200_*.json
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 
 
 def _context(n: int) -> str:
-    return f"{n // 2**20}M" if n % 2**20 == 0 else f"{n // 1024}K"
+    if n % 2**20 == 0:
+        return f"{n // 2**20}M"
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def kernels(report: dict) -> str:
@@ -59,7 +62,105 @@ def kernels(report: dict) -> str:
     lines.append("|---|---|---|")
     for name, s in att["speedups"].items():
         lines.append(f"| {name} | {s['vs_xla_bf16_cache']:.2f}× | {s['vs_xla_packed']:.2f}× |")
+    for key, table in (("topk", topk), ("source_scan", source_scan)):
+        if key in report:  # runs from 2026-12-02 on
+            lines += ["", table(report[key])]
     return "\n".join(lines)
+
+
+def _ms(entry: dict, name: str, digits: int = 3) -> str:
+    """An entry's median in ms, or why there is none."""
+    timing = entry.get(name)
+    if timing is None:
+        return "—"
+    if "median_ms" not in timing:
+        return "error" if "error" in timing else "ran"
+    return f"{timing['median_ms']:.{digits}f} ms"
+
+
+def topk(report: dict) -> str:
+    """`pallas_kernels.topk.bench`: the sort against the radix select at each pass width."""
+    shapes = report["shapes"]
+    widths = sorted({name for e in shapes.values() for name in e if name.startswith("radix_")})
+    lines = [
+        f"Top-k of the decode step (batch {report['batch']}; ReLU-like scores, a third 0):",
+        "",
+        "| selection | n | k | XLA sort | " + " | ".join(widths) + " | best vs sort | same picks |",
+        "|---|---|---|---|" + "---|" * len(widths) + "---|---|",
+    ]
+    for name, e in shapes.items():
+        timed = [e[w] for w in widths if "median_ms" in e.get(w, {})]
+        best = max((t.get("speedup_vs_sort", 0.0) for t in timed), default=None)
+        same = all(t.get("equal_to_sort") for t in timed) if timed else None
+        lines.append(
+            f"| {name} | {e['n']:,} | {e['k']:,} | {_ms(e, 'xla_sort')} | "
+            + " | ".join(_ms(e, w) for w in widths)
+            + f" | {'—' if best is None else f'{best:.1f}×'} | {'—' if same is None else same} |"
+        )
+    return "\n".join(lines)
+
+
+def source_scan(report: dict) -> str:
+    """`pallas_kernels.source_scan.bench`: the XLA scan against the kernel route, and the route's
+    parts."""
+    sizes = report["sizes"]
+    lines = [
+        f"Candidate source's scan (batch {sizes['batch']}, pool {sizes['topk_blocks']} blocks, "
+        f"top-{sizes['index_topk']}, {report['heads']} heads × {report['dim']}, MXFP4 keys):",
+        "",
+        "| context | XLA scan | kernel route | route vs XLA | kernel scores alone | kernel BW / "
+        "copy | selections, XLA sort | selections, route |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, c in sorted(report["contexts"].items(), key=lambda kv: int(kv[0])):
+        scores = c.get("pallas_scores", {})
+        bandwidth = (
+            f"{scores['kernel_GBps']:,.0f} GB/s = {scores['kernel_fraction_of_copy']:.0%}"
+            if "kernel_GBps" in scores
+            else "—"
+        )
+        speedup = c.get("speedup_route_vs_xla_scan")
+        lines.append(
+            f"| {_context(int(n))} | {_ms(c, 'xla_scan')} | {_ms(c, 'pallas_route')} "
+            f"| {'—' if speedup is None else f'{speedup:.1f}×'} | {_ms(c, 'pallas_scores')} "
+            f"| {bandwidth} | {_ms(c, 'selections_xla')} | {_ms(c, 'selections_pallas')} |"
+        )
+    return "\n".join(lines)
+
+
+def decode(report: dict) -> str:
+    """`bench_decode.py`: the decode step, whole and per op, per implementation and context."""
+    lines = [
+        f"Decode step of {report['config']} (pool {report['pool_blocks']} blocks, "
+        f"top-{report['index_topk']}; commit {report['commit']}, {report['device']}):",
+        "",
+    ]
+    for n, c in sorted(report["contexts"].items(), key=lambda kv: int(kv[0])):
+        ops = list(c["counts"])
+        lines += [
+            f"{_context(int(n))} tokens, batch {c['batch']} (per step: "
+            + ", ".join(f"{op} ×{count}" for op, count in c["counts"].items())
+            + "):",
+            "",
+            "| implementation | step | tokens/s | "
+            + " | ".join(ops)
+            + " | rest | indexer stack / source scan |",
+            "|---|---|---|" + "---|" * len(ops) + "---|---|",
+        ]
+        for impl in (k for k in c if isinstance(c[k], dict) and "step" in c[k]):
+            e = c[impl]
+            per_step = e.get("per_step_ms", {})
+            cells = [f"{per_step[op]:.3f} ms" if op in per_step else _ms(e, op) for op in ops]
+            rest, ratio = e.get("rest_ms"), e.get("indexer_stack_over_source_scan")
+            rate = e.get("tokens_per_s")
+            lines.append(
+                f"| {impl} | {_ms(e, 'step')} | {'—' if rate is None else f'{rate:,.0f}'} | "
+                + " | ".join(cells)
+                + f" | {'—' if rest is None else f'{rest:.3f} ms'}"
+                + f" | {'—' if ratio is None else f'{ratio:.2f}'} |"
+            )
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
 
 
 def _where(report: dict) -> str:
@@ -200,9 +301,13 @@ def main() -> None:
     parser.add_argument(
         "--before", nargs="+", type=Path, default=[], help="earlier throughput runs to compare"
     )
+    parser.add_argument("--decode", action="store_true", help="the paths are bench_decode runs")
     args = parser.parse_args()
     reports = [json.loads(p.read_text()) for p in args.paths]
-    if args.long_context:
+    if args.decode:
+        for report in reports:
+            print(decode(report))
+    elif args.long_context:
         for report in reports:
             print(long_context(report))
     elif args.profile:

@@ -783,3 +783,46 @@ def test_bench_decode_check_runs_every_op_of_the_step(tmp_path):
     assert counts["source_scan"] + counts["full_scan"] == sum(
         plan.role is Role.FULL for plan in layers
     )
+
+
+def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypatch):
+    """BENCHMARKS.md's tables of the top-k, the source scan and the decode step read the keys
+    their benchmarks write: the benchmarks run on the CPU at toy sizes with the device timer
+    replaced by one that returns 1, 2, 3 ... ms (CUPTI needs a GPU), and the tables print
+    those figures and the ratios the benchmarks derive from them."""
+    import itertools
+
+    from experiments import bench_decode, bench_tables
+    from pallas_kernels import timing
+    from pallas_kernels.source_scan import bench as scan_bench
+    from pallas_kernels.topk import bench as topk_bench
+
+    clock = itertools.count(1)
+
+    def fake_timing():
+        ms = float(next(clock))
+        return {"median_ms": ms, "mosaic_kernel_ms": ms / 2, "runs": 1}
+
+    monkeypatch.setattr(
+        timing, "measure", lambda fn, datasets, iterations=10: (fake_timing(), None)
+    )
+    monkeypatch.setattr(timing, "measure_chain", lambda step, state, steps: (fake_timing(), state))
+
+    picks = topk_bench.run(shapes={"pool": (64, 8)}, batch=2, digit_bits=(4,), n_datasets=1)
+    table = bench_tables.topk(picks)
+    assert "| pool | 64 | 8 | 1.000 ms | 2.000 ms | 0.5× | True |" in table, table
+
+    scan = scan_bench.run(contexts=(64,), batch=2, n_heads=2, n_datasets=1, copy_gbps=1e3)
+    table = bench_tables.source_scan(scan)
+    entry = scan["contexts"]["64"]
+    speedup = entry["xla_scan"]["median_ms"] / entry["pallas_route"]["median_ms"]
+    assert f"| 64 | 3.000 ms | 4.000 ms | {speedup:.1f}× | 5.000 ms |" in table, table
+
+    argv = ["--contexts", "320", "--batch", "2", "--steps", "1", "--pool-blocks", "8"]
+    report = bench_decode.main([*argv, "--index-topk", "16"])
+    table = bench_tables.decode(report)
+    for implementation in ("xla", "pallas"):
+        e = report["contexts"]["320"][implementation]
+        assert e["rest_ms"] == e["step"]["median_ms"] - sum(e["per_step_ms"].values())
+        assert f"| {implementation} | {e['step']['median_ms']:.3f} ms |" in table, table
+        assert f"| {e['indexer_stack_over_source_scan']:.2f} |" in table, table
