@@ -167,8 +167,11 @@ def selections(
             scores, lengths, topk_blocks=topk_blocks, index_topk=index_topk, **rule
         )
     select = functools.partial(topk_api.topk, implementation=implementation)
-    blocks = pool.block_scores(scores, lengths, block_size, reduce)
-    block_ids = select(blocks, topk_blocks, tie_order=tie_order).indices
+    if topk_blocks:
+        blocks = pool.block_scores(scores, lengths, block_size, reduce)
+        block_ids = select(blocks, topk_blocks, tie_order=tie_order).indices
+    else:  # no pool (a Full layer that is not the candidate source): no block scores to make
+        block_ids = jnp.zeros((scores.shape[0], 0), jnp.int32)
     own = topk_through_blocks(scores, lengths, index_topk, block_size, tie_order, select)
     return SourceSelection(block_ids, own)
 
