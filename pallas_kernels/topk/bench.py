@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--digit-bits", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--datasets", type=int, default=2)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = parser.parse_args()
 
     def save(result):
@@ -128,6 +129,7 @@ def main() -> None:
                 json.dump(result, f, indent=1)
 
     result = run(
+        shapes={name: SHAPES[name] for name in args.shapes},
         batch=args.batch,
         digit_bits=tuple(args.digit_bits),
         iterations=args.iterations,
