@@ -122,49 +122,58 @@ def _layer_counts(config) -> dict[str, int]:
     return counts
 
 
-def _ops(config, cache, implementation: str) -> dict:
-    """The timed ops as functions of (index queries, head weights, attention queries)."""
-    c = config
-    layers = cache.layers
+def _op_tables(config, cache) -> dict:
+    """What the timed ops read besides their queries, as arrays to pass to them (a jitted
+    function would embed arrays it closes over as constants, the caches included): the
+    candidate source's and the other Full layer's index keys and lengths, a pool of random
+    visible blocks for the pooled top-k (which blocks does not change the work), and per
+    main-KV source its rows, window ring, random picks and window validity."""
+    c, layers = config, cache.layers
     source = c.candidate_source_layer
     full = next(p.layer for p in c.layers if p.role is Role.FULL and not p.is_candidate_source)
     lens = {layer: (cache.lengths + 1) // c.compress_ratios[layer] for layer in (source, full)}
-    impl = implementation
-
-    def source_scan(q, w, _):
-        found = dispatch.candidate_source(c, layers[source].index_k, q, w, lens[source], impl)
-        return found.block_ids, found.topk.indices
-
-    def full_scan(q, w, _):
-        found = dispatch.candidate_source(
-            c, layers[full].index_k, q, w, lens[full], impl, pool=False
-        )
-        return found.topk.indices
-
-    # The pooled top-k reads a pool of random visible blocks (which blocks does not change the
-    # work), drawn once, outside the timing.
     n_blocks = -(-layers[source].index_k.shape[1] // c.candidate_block_size)
     visible = -(-lens[source] // c.candidate_block_size)
     draw = jax.random.uniform(jax.random.key(source), (cache.batch, n_blocks))
     draw = jnp.where(jnp.arange(n_blocks) < visible[:, None], draw, -jnp.inf)
-    pool_ids = scoring.topk(draw, c.candidate_topk_blocks).indices
+    valid = cache_lib.window_slot_valid(cache.lengths, c.window_size)
+    attention = {}
+    for layer in c.kv_source_layers:
+        n_kv = layers[layer].main_kv.shape[1]
+        picks = jax.random.randint(jax.random.key(layer), (cache.batch, c.index_topk), 0, n_kv)
+        attention[layer] = (layers[layer].main_kv, picks, layers[layer].window, valid)
+    return {
+        "source": (layers[source].index_k, lens[source]),
+        "full": (layers[full].index_k, lens[full]),
+        "pool": scoring.topk(draw, c.candidate_topk_blocks).indices,
+        "attention": attention,
+    }
 
-    def pooled_topk(q, w, _):
-        return dispatch.pooled_topk(
-            c, layers[source].index_k, q, w, pool_ids, lens[source], impl
-        ).indices
+
+def _ops(config, implementation: str) -> dict:
+    """The timed ops as functions of (`_op_tables`, index queries, head weights, attention
+    queries)."""
+    c, impl = config, implementation
+
+    def source_scan(tables, q, w, _):
+        keys, lens = tables["source"]
+        found = dispatch.candidate_source(c, keys, q, w, lens, impl)
+        return found.block_ids, found.topk.indices
+
+    def full_scan(tables, q, w, _):
+        keys, lens = tables["full"]
+        return dispatch.candidate_source(c, keys, q, w, lens, impl, pool=False).topk.indices
+
+    def pooled_topk(tables, q, w, _):
+        keys, lens = tables["source"]
+        return dispatch.pooled_topk(c, keys, q, w, tables["pool"], lens, impl).indices
 
     def attention(kv_layer):
-        n_kv = layers[kv_layer].main_kv.shape[1]
-        picks = jax.random.randint(jax.random.key(kv_layer), (cache.batch, c.index_topk), 0, n_kv)
-        valid = cache_lib.window_slot_valid(cache.lengths, c.window_size)
         sink = jnp.zeros((c.n_heads,), jnp.float32)
 
-        def run(_, __, q_attention):
-            return dispatch.attend_packed(
-                c, q_attention, layers[kv_layer].main_kv, picks, layers[kv_layer].window,
-                valid, sink, impl,
-            )  # fmt: skip
+        def run(tables, _, __, q_attention):
+            main_kv, picks, window, valid = tables["attention"][kv_layer]
+            return dispatch.attend_packed(c, q_attention, main_kv, picks, window, valid, sink, impl)
 
         return run
 
@@ -207,8 +216,9 @@ def run_context(model, config, *, context: int, batch: int, steps: int, iteratio
             except Exception as e:  # recorded in the JSON
                 out["step"] = {"error": repr(e)}
         progress()
-        datasets = [_op_inputs(jax.random.key(100 + i), config, batch) for i in range(2)]
-        for name, fn in _ops(config, cache, impl).items():
+        tables = _op_tables(config, cache)
+        datasets = [(tables, *_op_inputs(jax.random.key(100 + i), config, batch)) for i in range(2)]
+        for name, fn in _ops(config, impl).items():
             if check:
                 jax.block_until_ready(fn(*datasets[0]))
                 out[name] = {"ran": True}
@@ -216,7 +226,7 @@ def run_context(model, config, *, context: int, batch: int, steps: int, iteratio
                 timing.record(out, name, jax.jit(fn), datasets, iterations)
             progress()
         _per_step(entry, impl)
-        del cache
+        del cache, tables, datasets
     return entry
 
 

@@ -12,6 +12,7 @@ GPU only: CUPTI is not available on the CPU.
 
 from __future__ import annotations
 
+import json
 import statistics
 import traceback
 from collections.abc import Callable, Sequence
@@ -114,6 +115,19 @@ def record(
         entry[name] = result
     except Exception as e:
         entry[name] = {"error": repr(e), "trace": traceback.format_exc()[-2000:]}
+
+
+def json_writer(path: str | None) -> Callable[[dict], None]:
+    """A benchmark's `progress` callback: writes the (partial) result as JSON to `path` each
+    time it is called, so a run cut short keeps what it timed; does nothing when `path` is
+    None."""
+
+    def save(result: dict) -> None:
+        if path:
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+
+    return save
 
 
 def copy_ceiling(n_bytes: int = 2**30, iterations: int = 10) -> dict:

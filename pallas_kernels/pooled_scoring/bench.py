@@ -35,19 +35,27 @@ from v41jax.ops import formats, pool
 BLOCK_SIZE = kernel_mgpu.BLOCK_SIZE
 
 
-def _random_inputs(key, *, batch, n_pos, n_heads, dim, n_blocks):
-    """Random packed keys (random E2M1 bytes, E8M0 scales 2^-8..2^7), fake-quantized q, weights,
-    ascending distinct block ids (a random subset of the cache's blocks) and full lengths."""
-    k_bytes, k_scales, k_q, k_w, k_ids = jax.random.split(key, 5)
+def random_inputs(key, *, batch: int, n_pos: int, n_heads: int, dim: int):
+    """Random packed keys (random E2M1 bytes, E8M0 scales 2^-8..2^7), fake-quantized q, head
+    weights and full lengths."""
+    k_bytes, k_scales, k_q, k_w = jax.random.split(key, 4)
     nibbles = jax.random.bits(k_bytes, (batch, n_pos, dim // 2), jnp.uint8)
     scales = jax.random.randint(k_scales, (batch, n_pos, dim // 32), 119, 135).astype(jnp.uint8)
     k_packed = jnp.concatenate([nibbles, scales], axis=-1)
     q = formats.mxfp4_fake_quant(jax.random.normal(k_q, (batch, n_heads, dim), jnp.float32))
     weights = jax.random.normal(k_w, (batch, n_heads), jnp.float32) * (dim * n_heads) ** -0.5
+    return k_packed, q, weights, jnp.full((batch,), n_pos, jnp.int32)
+
+
+def _random_inputs(key, *, batch, n_pos, n_heads, dim, n_blocks):
+    """`random_inputs` and ascending distinct block ids (a random subset of the cache's
+    blocks): (k_packed, q, weights, block ids, lengths)."""
+    k_packed, q, weights, lengths = random_inputs(
+        key, batch=batch, n_pos=n_pos, n_heads=n_heads, dim=dim
+    )
     cache_blocks = n_pos // BLOCK_SIZE
-    order = jnp.argsort(jax.random.uniform(k_ids, (batch, cache_blocks)), axis=-1)
-    ids = jnp.sort(order[:, :n_blocks], axis=-1).astype(jnp.int32)
-    lengths = jnp.full((batch,), n_pos, jnp.int32)
+    draw = jax.random.uniform(jax.random.fold_in(key, 1), (batch, cache_blocks))
+    ids = jnp.sort(jnp.argsort(draw, axis=-1)[:, :n_blocks], axis=-1).astype(jnp.int32)
     return k_packed, q, weights, ids, lengths
 
 
@@ -209,10 +217,7 @@ def main() -> None:
     sweep = [kernel_mgpu.TuningConfig(*map(int, c.split(","))) for c in args.sweep]
     configs = (kernel_mgpu.TuningConfig(), *sweep)
 
-    def save(result):
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+    save = timing.json_writer(args.out)
 
     result = run(
         contexts=tuple(args.contexts),

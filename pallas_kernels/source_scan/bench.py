@@ -36,22 +36,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import timing
 from pallas_kernels.pooled_scoring import kernel_mgpu
+from pallas_kernels.pooled_scoring.bench import random_inputs
 from pallas_kernels.source_scan import api
 from v41jax.ops import formats, pool
 
 BLOCK_SIZE = kernel_mgpu.BLOCK_SIZE
-
-
-def random_inputs(key, *, batch: int, n_pos: int, n_heads: int, dim: int):
-    """Random packed keys (random E2M1 bytes, E8M0 scales 2^-8..2^7), fake-quantized q, head
-    weights and full lengths."""
-    k_bytes, k_scales, k_q, k_w = jax.random.split(key, 4)
-    nibbles = jax.random.bits(k_bytes, (batch, n_pos, dim // 2), jnp.uint8)
-    scales = jax.random.randint(k_scales, (batch, n_pos, dim // 32), 119, 135).astype(jnp.uint8)
-    k_packed = jnp.concatenate([nibbles, scales], axis=-1)
-    q = formats.mxfp4_fake_quant(jax.random.normal(k_q, (batch, n_heads, dim), jnp.float32))
-    weights = jax.random.normal(k_w, (batch, n_heads), jnp.float32) * (dim * n_heads) ** -0.5
-    return k_packed, q, weights, jnp.full((batch,), n_pos, jnp.int32)
 
 
 def run(
@@ -168,10 +157,7 @@ def main() -> None:
     parser.add_argument("--datasets", type=int, default=2)
     args = parser.parse_args()
 
-    def save(result):
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+    save = timing.json_writer(args.out)
 
     result = run(
         contexts=tuple(args.contexts),

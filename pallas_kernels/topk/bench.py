@@ -123,10 +123,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = parser.parse_args()
 
-    def save(result):
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+    save = timing.json_writer(args.out)
 
     result = run(
         shapes={name: SHAPES[name] for name in args.shapes},

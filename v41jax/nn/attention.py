@@ -422,11 +422,11 @@ class Attention(nnx.Module):
             With a kernel, a layer with compressed KV attends with `fp4_sparse_attention` on
             the packed caches (the shared main-KV rows, its selection, the FP8 window ring)
             instead of gathering and unpacking in XLA, a Reindex layer inside the pool selects
-            with `pooled_scores`, and the candidate source scans its packed index keys with the
-            same kernel (`source_scan`); window-only layers and the other Full layers' scans
-            stay XLA. The kernel's attention output is bf16 (float32 accumulation), widened to
-            float32: ~2e-3 relative error against 'xla' (tests/test_decode_kernels.py bounds it
-            by 1e-2).
+            with `pooled_scores`, and the candidate source (and another Full layer whose keys
+            the scan takes: `dispatch.scans_on_kernels`) scans its packed index keys with the
+            same kernel (`source_scan`); window-only layers stay XLA. The kernel's attention
+            output is bf16 (float32 accumulation), widened to float32: ~2e-3 relative error
+            against 'xla' (tests/test_decode_kernels.py bounds it by 1e-2).
           debug: stage the selection invariants (`v41jax.ops.invariants`).
 
         Returns:
@@ -445,8 +445,9 @@ class Attention(nnx.Module):
         if self.compressor is not None:
             shared = shared.replace(kv_packed=cache.main_kv)
             if self.indexer is not None:
-                # Full layers scan every position (XLA, or the candidate source's scan kernel
-                # route); Reindex kernels read the packed rows of their pool.
+                # Full layers scan every position (XLA, or the scan kernel route:
+                # `dispatch.scans_on_kernels`); Reindex kernels read the packed rows of their
+                # pool.
                 index_k = formats.unpack(cache.index_k, c.index_format, c.index_head_dim)
                 shared = shared.replace(index_k=index_k, index_k_packed=cache.index_k)
 

@@ -85,7 +85,8 @@ block with none scores −inf whatever the reducer returns (`select_candidate_bl
 Select = Callable[..., TopK]
 """A top-k selection called as `select(scores, k, tie_order=...)` that returns what
 `scoring.topk(scores, k, tie_order=...)` returns (no mask, −inf picks dropped): `topk` itself, or
-another implementation of the same picks (`pallas_kernels.topk`) that a kernel route passes."""
+another implementation of the same picks (`pallas_kernels.topk`) that a kernel route passes to
+`pool_topk_from_scores`."""
 
 
 def block_max(
@@ -863,17 +864,15 @@ def source_selection(
     block_size: int = 8,
     reduce: str | BlockReducer = "max",
     tie_order: str = "oldest",
-    select: Select = topk,
 ) -> SourceSelection:
     """The candidate source's two selections from its scores of every position: the pool
     (`select_candidate_blocks`' rule, without building its mask) and its own top-k
-    (`scoring.topk`, no mask: −inf picks are dropped). Scores ≥ lengths are ignored. `select`
-    makes both top-k selections (`Select`: `scoring.topk` or the same picks otherwise)."""
+    (`scoring.topk`, no mask: −inf picks are dropped). Scores ≥ lengths are ignored."""
     blocks = block_scores(scores, lengths, block_size, reduce)
-    block_ids = select(blocks, topk_blocks, tie_order=tie_order).indices
+    block_ids = topk_indices(blocks, topk_blocks, tie_order=tie_order)
     position = jnp.arange(scores.shape[-1])
     visible = jnp.where(position < jnp.asarray(lengths)[..., None], scores, -jnp.inf)
-    return SourceSelection(block_ids, select(visible, index_topk, tie_order=tie_order))
+    return SourceSelection(block_ids, topk(visible, index_topk, tie_order=tie_order))
 
 
 def candidate_source_scan(
