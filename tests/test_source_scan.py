@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
 
-from pallas_kernels.pooled_scoring import TuningConfig
+from pallas_kernels.pooled_scoring import TuningConfig, kernel_mgpu
 from pallas_kernels.source_scan import candidate_source
 from pallas_kernels.source_scan.api import every_block, selections, topk_through_blocks
 from pallas_kernels.topk import api as topk_api
@@ -248,6 +248,88 @@ def test_the_kernel_route_keeps_the_tie_rule_when_every_score_ties(tie_order):
     assert (np.asarray(got.topk.indices[2]) == -1).all()
 
 
+def with_nan_rows(k_packed, seed, fraction=0.03):
+    """A copy of the packed keys where some rows carry the NaN scale code 0xFF (their scores
+    are NaN in the definition and in the kernel)."""
+    rng = np.random.default_rng(seed)
+    k_packed = np.array(k_packed)
+    k_packed[rng.random(k_packed.shape[:2]) < fraction, 64] = 0xFF
+    return jnp.asarray(k_packed)
+
+
+def scattered_blocks(seed, lengths, n_pos, n_slots):
+    """Ascending block ids with −1 slots among them and ids past the cache end (the kernel
+    masks them): what a pool hands the kernel, not only `every_block`'s prefix."""
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.choice(-(-n_pos // 8) + 3, size=(len(lengths), n_slots)), axis=1)
+    ids[rng.random(ids.shape) < 0.2] = -1
+    return jnp.asarray(ids, jnp.int32)
+
+
+def block_max_of(scores):
+    """`ops.pool.block_max` of the kernel's scores: NaN and −inf are no valid score."""
+    scores = np.asarray(scores)
+    scores = np.where(np.isnan(scores), -np.inf, scores)
+    return scores.reshape(scores.shape[0], -1, 8).max(axis=-1)
+
+
+def check_block_max_kernel(seed, *, n_pos, n_heads, n_slots, config, interpret):
+    """The block-max kernel's output = the block max of the scores kernel's output, bit for bit
+    (NaN rows, −1 slots, ids past the cache, ragged lengths, an empty row)."""
+    k_packed, q, weights, lengths = make_inputs(seed, batch=4, n_pos=n_pos, n_heads=n_heads)
+    k_packed = with_nan_rows(k_packed, seed)
+    run = dict(config=config, interpret=interpret)
+    for ids in (
+        every_block(jnp.asarray(lengths), n_pos, 8),
+        scattered_blocks(seed, lengths, n_pos, n_slots),
+    ):
+        scores = kernel_mgpu.pooled_scores_mgpu(k_packed, q, weights, ids, lengths, **run)
+        maxima = kernel_mgpu.pooled_block_max_mgpu(k_packed, q, weights, ids, lengths, **run)
+        assert maxima.shape == ids.shape
+        np.testing.assert_array_equal(np.asarray(maxima), block_max_of(scores))
+        assert np.isfinite(np.asarray(maxima)[0]).any() and np.isnan(scores).any()
+        assert (np.asarray(maxima)[2] == -np.inf).all()  # the empty row
+        if interpret:
+            assert not mgpu_interpret.get_races().races_found
+
+
+def test_the_block_max_kernel_reduces_the_kernels_scores():
+    """Interpreted, 700 positions (88 blocks, 11 tiles): two CTAs per query at 8 tiles each."""
+    check_block_max_kernel(
+        6, n_pos=700, n_heads=3, n_slots=40, config=TuningConfig(8, 2), interpret=True
+    )
+
+
+def check_max_route(seed, *, tie_order, equal_rows=False, **shape):
+    """The 'max' route (block maxima from the kernel, the own top-k rescored in its best
+    blocks) picks exactly what the definition's selections pick from the kernel's own scores of
+    every position: the same block ids, positions and scores, bit for bit."""
+    k_packed, q, weights, lengths = make_inputs(seed, equal_rows=equal_rows, **shape)
+    if not equal_rows:
+        k_packed = with_nan_rows(k_packed, seed)
+    n_pos = k_packed.shape[1]
+    options = options_for_backend()
+    run = dict(config=options.get("config", TuningConfig()), interpret=not ON_GPU)
+    ids = every_block(jnp.asarray(lengths), n_pos, 8)
+    scores = kernel_mgpu.pooled_scores_mgpu(k_packed, q, weights, ids, lengths, **run)[:, :n_pos]
+    n_blocks = ids.shape[1]
+    for topk_blocks, index_topk in ((0, 9), (5, 17), (n_blocks + 3, 8 * n_blocks + 5)):
+        rule = dict(
+            topk_blocks=topk_blocks, index_topk=index_topk, reduce="max", tie_order=tie_order
+        )
+        want = selection_of(scores, lengths, **rule)
+        got = scan(k_packed, q, weights, lengths, **rule, **options)
+        np.testing.assert_array_equal(got.block_ids, want.block_ids)
+        np.testing.assert_array_equal(got.topk.indices, want.topk.indices)
+        np.testing.assert_array_equal(got.topk.scores, want.topk.scores)
+
+
+@pytest.mark.parametrize("tie_order", ["oldest", "newest"])
+@pytest.mark.parametrize("equal_rows", [False, True])
+def test_the_max_route_picks_what_the_kernels_scores_give(tie_order, equal_rows):
+    check_max_route(7, tie_order=tie_order, equal_rows=equal_rows, **CPU_SHAPE)
+
+
 def test_rejects_unsupported_arguments():
     k_packed, q, weights, lengths = make_inputs(0, **CPU_SHAPE)
     select = dict(topk_blocks=4, index_topk=8)
@@ -271,3 +353,19 @@ def test_the_kernel_route_matches_the_definition_gpu():
     """Compiled, on a 64 K-position cache (+3: not a multiple of 8), 32 heads, V4.1's pool of
     2,048 blocks and top-512."""
     run_case(5, batch=8, n_pos=65536 + 3, n_heads=32, topk_blocks=2048, index_topk=512)
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_block_max_kernel_reduces_the_kernels_scores_gpu():
+    """Compiled: 64 K + 3 positions, 32 heads, the default tiles (32 per CTA)."""
+    check_block_max_kernel(
+        8, n_pos=65536 + 3, n_heads=32, n_slots=2048, config=TuningConfig(), interpret=False
+    )
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tie_order", ["oldest", "newest"])
+def test_the_max_route_picks_what_the_kernels_scores_give_gpu(tie_order):
+    check_max_route(9, tie_order=tie_order, batch=8, n_pos=16384 + 5, n_heads=32)

@@ -20,6 +20,10 @@ and blocks of 8 positions (`supports` says so to callers). How:
   heads are N). Then ReLU, the head weights, the sum over heads, the row scale, the −inf mask, and
   a 256-byte store of the tile's 64 scores. q' = q/2^e_h per head (|q'| < 1) with w' = w·2^e_h
   (`kernel_queries`; exact since ReLU(2^e·x) = 2^e·ReLU(x)).
+- `pooled_block_max_mgpu` (the source-scan route, issue 16 item 1) keeps a CTA's tile scores in
+  shared memory instead of storing them, then reads them back as [blocks, 8] rows of a WGMMA
+  layout (a block's 8 positions in the threads that hold its row), takes each row's max and
+  stores the CTA's block maxima once: 4 bytes leave per 8 rows of 68 bytes read.
 - The decode emits the 128 dims in "nibble-major" order (dim 8w+n of the row lands in column
   16n+w, w = word, n = nibble), so q is permuted the same way once per call (`permute_dims`):
   q·k is unchanged and no register shuffles are needed.
@@ -199,12 +203,14 @@ def _kernel(
     out_smem,
     k_barriers,
     meta_barrier,
+    blocks_smem=None,
     *,
     n_tiles: int,
     num_stages: int,
     n_blocks: int,
     interpret: bool,
     ablation: str | None,
+    block_max: bool,
 ):
     b = lax.axis_index("batch")
     split = lax.axis_index("split")
@@ -331,7 +337,13 @@ def _kernel(
         for i in range(1, TILE_BLOCKS):
             block = jnp.where(row // BLOCK_SIZE == i, ids_smem[tile, i], block)
         pos = block * BLOCK_SIZE + row % BLOCK_SIZE
-        scores = jnp.where((block >= 0) & (pos < limit), scores, -jnp.inf)
+        visible = (block >= 0) & (pos < limit)
+        if block_max:
+            # The tile's scores stay in shared memory until the blocks are reduced (below). NaN
+            # (a 0xFF scale) is no valid score for a block, as in `ops.pool.block_max`.
+            out_smem[tile] = jnp.where(visible & (scores == scores), scores, -jnp.inf)
+            return
+        scores = jnp.where(visible, scores, -jnp.inf)
 
         out_slot = lax.rem(tile, 2)
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from two tiles ago
@@ -339,6 +351,22 @@ def _kernel(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem.at[out_slot], out_hbm.at[b, split, tile])
 
+    if block_max:
+        # Row r of the CTA's scores viewed as [n_tiles·8, 8] is block r's 8 positions (a tile's
+        # 64 rows are its 8 blocks in order), so a max along the rows' minor axis reduces every
+        # block inside the threads that hold it (a WGMMA layout: rows over warps, no shared
+        # memory for the reduction). One store of n_tiles·8 block maxima per CTA.
+        plgpu.commit_smem()  # the tiles' stores, by every thread, before the loads
+        n_rows = n_tiles * TILE_BLOCKS
+        if interpret:  # the interpreter cannot reshape refs; the values can
+            by_block = out_smem[...].reshape(n_rows, BLOCK_SIZE)
+        else:
+            by_block = plgpu.load(
+                out_smem.reshape(n_rows, BLOCK_SIZE), (), layout=plgpu.Layout.WGMMA, optimized=False
+            )
+        blocks_smem[...] = jnp.max(by_block, axis=1)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(blocks_smem, out_hbm.at[b, split])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -373,6 +401,60 @@ def pooled_scores_mgpu(
     Returns:
       [B, NB·8] float32 scores; −inf for −1 blocks and positions ≥ lengths[b] or ≥ S.
     """
+    return _pooled(
+        k_packed,
+        q,
+        weights,
+        block_ids,
+        lengths,
+        n_pos=n_pos,
+        config=config,
+        interpret=interpret,
+        ablation=_ablation,
+        block_max=False,
+    )
+
+
+def pooled_block_max_mgpu(
+    k_packed: UInt8[Array, "batch seq 68"] | UInt32[Array, "batch blocks 136"],
+    q: Float[Array, "batch heads 128"],
+    weights: Float[Array, "batch heads"],
+    block_ids: Int[Array, "batch n_blocks"],
+    lengths: Int[Array, " batch"],
+    *,
+    n_pos: int | None = None,
+    config: TuningConfig = TuningConfig(),
+    interpret: bool = False,
+) -> Float[Array, "batch n_blocks"]:
+    """Each listed block's maximum score over its valid positions, the positions' scores never
+    leaving the kernel: `pooled_scores_mgpu`'s scores (same arguments), NaN and positions
+    ≥ lengths or ≥ S as −inf, reduced per block of 8 by max (`ops.pool.block_max`). −inf for a
+    −1 block or one with no valid position. What the source-scan route ranks its blocks by.
+
+    Tiles per CTA: `config.tiles_per_cta` rounded up to a multiple of 8 (a CTA's block maxima
+    are reduced as rows of a WGMMA layout, whose tile is 64 rows).
+
+    Returns:
+      [B, NB] float32 block maxima, in the order of `block_ids`.
+    """
+    return _pooled(
+        k_packed,
+        q,
+        weights,
+        block_ids,
+        lengths,
+        n_pos=n_pos,
+        config=config,
+        interpret=interpret,
+        ablation=None,
+        block_max=True,
+    )
+
+
+def _pooled(
+    k_packed, q, weights, block_ids, lengths, *, n_pos, config, interpret, ablation, block_max
+):
+    """The kernel call behind `pooled_scores_mgpu` and `pooled_block_max_mgpu`."""
     if k_packed.dtype == jnp.uint8:
         n_pos = k_packed.shape[1]
         k_words = packed_words(k_packed)
@@ -390,8 +472,11 @@ def pooled_scores_mgpu(
         )
     n_slots = block_ids.shape[1]
     n_tiles_total = -(-n_slots // TILE_BLOCKS)
-    # A query's tiles are split over CTAs; a small pool gets fewer, smaller CTAs.
-    tiles_per_cta = min(config.tiles_per_cta, -(-n_tiles_total // 4) * 4)
+    # A query's tiles are split over CTAs; a small pool gets fewer, smaller CTAs. The block
+    # maxima of a CTA fill whole 64-row WGMMA tiles: 8 tiles of 8 blocks.
+    multiple = 8 if block_max else 4
+    tiles_per_cta = min(config.tiles_per_cta, -(-n_tiles_total // multiple) * multiple)
+    tiles_per_cta = -(-tiles_per_cta // multiple) * multiple
     n_splits = -(-n_tiles_total // tiles_per_cta)
     padded_slots = n_splits * tiles_per_cta * TILE_BLOCKS
     ids = jnp.pad(
@@ -410,6 +495,15 @@ def pooled_scores_mgpu(
         plgpu.TilingTransform((8, swizzle // 2)),
         plgpu.SwizzleTransform(swizzle),
     )
+    if block_max:  # every tile's scores, then the CTA's block maxima
+        out_type = (batch, n_splits, tiles_per_cta * TILE_BLOCKS)
+        staging = [
+            plgpu.SMEM((tiles_per_cta, TILE_ROWS), jnp.float32),
+            plgpu.SMEM((tiles_per_cta * TILE_BLOCKS,), jnp.float32),
+        ]
+    else:  # a tile's scores, double-buffered for its store
+        out_type = (batch, n_splits, tiles_per_cta, TILE_ROWS)
+        staging = [plgpu.SMEM((2, TILE_ROWS), jnp.float32)]
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -417,21 +511,23 @@ def pooled_scores_mgpu(
             num_stages=num_stages,
             n_blocks=k_words.shape[1],
             interpret=interpret,
-            ablation=_ablation,
+            ablation=ablation,
+            block_max=block_max,
         ),
-        out_type=jax.ShapeDtypeStruct((batch, n_splits, tiles_per_cta, TILE_ROWS), jnp.float32),
+        out_type=jax.ShapeDtypeStruct(out_type, jnp.float32),
         scratch_types=[
             plgpu.SMEM((num_stages, TILE_ROWS, ROW_WORDS), jnp.uint32),
             plgpu.SMEM((heads, DIM), jnp.float16, transforms=q_transforms),
             plgpu.SMEM((heads,), jnp.float32),
             plgpu.SMEM((tiles_per_cta, TILE_BLOCKS), jnp.int32),
             plgpu.SMEM((32,), jnp.int32),
-            plgpu.SMEM((2, TILE_ROWS), jnp.float32),
+            staging[0],
             plgpu.Barrier(
                 num_arrivals=TILE_BLOCKS * (1 if interpret else len(_COPIES)),
                 num_barriers=num_stages,
             ),
             plgpu.Barrier(num_arrivals=4),
+            *staging[1:],
         ],
         grid=(batch, n_splits),
         grid_names=("batch", "split"),
@@ -448,4 +544,6 @@ def pooled_scores_mgpu(
     if interpret:
         k_words = k_words.reshape(batch, -1, BLOCK_SIZE, ROW_WORDS)
     out = kernel(k_words, q_kernel, w_kernel, ids, limit)
+    if block_max:
+        return out.reshape(batch, padded_slots)[:, :n_slots]
     return out.reshape(batch, padded_slots * BLOCK_SIZE)[:, : n_slots * BLOCK_SIZE]

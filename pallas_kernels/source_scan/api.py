@@ -9,15 +9,18 @@ switch (`pallas_kernels.dispatch`).
   select); any format, block size, head dim and score dtype.
 - 'pallas' / 'pallas_interpret': every block of the cache that a query can see goes through the
   pooled-scoring Mosaic GPU kernel as one pool (block ids 0, 1, ... up to the query's last
-  visible block, −1 after it, so a short row fetches nothing past its length), then the
-  definition's selections (`ops.pool.source_selection`) on the kernel's scores. The kernel reads
+  visible block, −1 after it, so a short row fetches nothing past its length). The kernel reads
   the 68-byte rows once and never materializes the unpacked keys, which is what the XLA scan
-  does (issue 16: 70.8 ms at 1 M x batch 64). It still writes one f32 score per position (4 B
-  against the 68 B row it reads) and the selections run in XLA ops: the pool's blocks, and the
-  source's own top-k through its best `index_topk` blocks by max (`topk_through_blocks`: a
-  selection over block maxima and one over those blocks' slots, never one over every
-  position), each top-k by `pallas_kernels.topk`'s radix select (the same picks, no sort);
-  what it takes is the pooled kernel's `supports`.
+  does (issue 16: 70.8 ms at 1 M x batch 64). Then, by the block reducer:
+  - 'max' (V4.1's): the kernel reduces each block itself and writes only the block maxima
+    (`kernel_mgpu.pooled_block_max_mgpu`: 4 B per 8 rows of 68 B); the pool is the top
+    `topk_blocks` of them once pinned (`ops.pool.pin_newest_block`), and the source's own top-k
+    lies inside its best `index_topk` blocks by max, which the kernel scores again position by
+    position (`index_topk`·8 rows per query) for `ops.pool.pool_topk_from_scores`;
+  - any other reducer: the kernel writes one f32 score per position and `selections` makes both
+    picks from them (the own top-k through the best blocks as well: `topk_through_blocks`).
+  Every top-k is `pallas_kernels.topk`'s radix select (the same picks as the sort). What the
+  route takes is the pooled kernel's `supports`.
 
 Selections: the same rules in every implementation (`tie_order`; the pool pins the block of the
 newest visible position; the source's own top-k drops −inf picks). The kernel's scores differ
@@ -132,16 +135,24 @@ def candidate_source(
         raise supported.error()
     n_pos = k_packed.shape[1]
     lengths = jnp.clip(lengths, 0, n_pos)
-    scores = kernel_mgpu.pooled_scores_mgpu(
-        k_packed,
-        q,
-        weights,
-        every_block(lengths, n_pos, block_size),
-        lengths,
+    words = kernel_mgpu.packed_words(k_packed)  # once: it copies a cache of S % 8 != 0
+    kernel = dict(
+        n_pos=n_pos,
         config=config or kernel_mgpu.TuningConfig(),
         interpret=dispatch.interpret(implementation),
     )
-    return selections(scores[:, :n_pos], lengths, implementation=implementation, **selection)
+    blocks = every_block(lengths, n_pos, block_size)
+    if not (reduce == "max" or reduce is pool.block_max):
+        scores = kernel_mgpu.pooled_scores_mgpu(words, q, weights, blocks, lengths, **kernel)
+        return selections(scores[:, :n_pos], lengths, implementation=implementation, **selection)
+
+    select = functools.partial(topk_api.topk, implementation=implementation)
+    maxima = kernel_mgpu.pooled_block_max_mgpu(words, q, weights, blocks, lengths, **kernel)
+    block_ids = _pool_blocks(maxima, lengths, topk_blocks, block_size, tie_order, select, pin=True)
+    best = select(maxima, min(index_topk, blocks.shape[1]), tie_order=tie_order).indices
+    slot_scores = kernel_mgpu.pooled_scores_mgpu(words, q, weights, best, lengths, **kernel)
+    own = _topk_of_blocks(slot_scores, best, index_topk, block_size, tie_order, select)
+    return SourceSelection(block_ids, own)
 
 
 def selections(
@@ -169,11 +180,21 @@ def selections(
     select = functools.partial(topk_api.topk, implementation=implementation)
     if topk_blocks:
         blocks = pool.block_scores(scores, lengths, block_size, reduce)
-        block_ids = select(blocks, topk_blocks, tie_order=tie_order).indices
     else:  # no pool (a Full layer that is not the candidate source): no block scores to make
-        block_ids = jnp.zeros((scores.shape[0], 0), jnp.int32)
+        blocks = jnp.zeros((scores.shape[0], 0), jnp.float32)
+    block_ids = _pool_blocks(blocks, lengths, topk_blocks, block_size, tie_order, select)
     own = topk_through_blocks(scores, lengths, index_topk, block_size, tie_order, select)
     return SourceSelection(block_ids, own)
+
+
+def _pool_blocks(blocks, lengths, topk_blocks, block_size, tie_order, select, *, pin=False):
+    """The pool: the top `topk_blocks` of the block scores (`pin`: reduced block maxima, to be
+    capped and pinned first, `ops.pool.pin_newest_block`); none without a pool."""
+    if not topk_blocks:
+        return jnp.zeros((blocks.shape[0], 0), jnp.int32)
+    if pin:
+        blocks = pool.pin_newest_block(blocks, lengths, block_size)
+    return select(blocks, topk_blocks, tie_order=tie_order).indices
 
 
 def topk_through_blocks(
@@ -199,6 +220,13 @@ def topk_through_blocks(
     slots = pool.pool_positions(best, block_size)
     slot_scores = jnp.take_along_axis(padded, jnp.maximum(slots, 0), axis=-1)
     slot_scores = jnp.where(slots >= 0, slot_scores, -jnp.inf)
+    return _topk_of_blocks(slot_scores, best, k, block_size, tie_order, select)
+
+
+def _topk_of_blocks(slot_scores, best, k, block_size, tie_order, select) -> TopK:
+    """The top-k positions among the slots of the blocks `best` (ascending, −1 padded) from the
+    slots' scores (−inf at −1 blocks and invisible positions; NaN counts as −inf)."""
+    slot_scores = jnp.where(jnp.isnan(slot_scores), -jnp.inf, slot_scores)
     return pool.pool_topk_from_scores(
         slot_scores, best, k, block_size=block_size, tie_order=tie_order, select=select
     )

@@ -9,9 +9,13 @@ every query sees its whole cache:
 - `xla_scan`: the definition, `ops.pool.candidate_source_scan` (unpack and score all S rows,
   the pool's blocks, the source's own top-k): what the model's decode does today, and the
   official code's approach;
-- `pallas_route`: `source_scan.candidate_source(implementation='pallas')`, the pooled-scoring
-  kernel over every block, then the same selections in XLA;
-- `pallas_scores`: that kernel's part alone (every position's score written, no selection);
+- `pallas_route`: `source_scan.candidate_source(implementation='pallas')` with V4.1's 'max'
+  block score: the kernel writes only block maxima, then the selections (the own top-k rescored
+  inside its best blocks);
+- `pallas_route_mean`: the same with the 'mean' block score: the kernel writes every position's
+  score and the selections read them (the route of every reducer but 'max');
+- `pallas_block_max`: the 'max' route's kernel alone (block maxima over every block);
+- `pallas_scores`: the 'mean' route's kernel alone (every position's score written);
 - `selections_xla`: the definition's selections alone (`ops.pool.source_selection` on given
   scores): block scores, the top-`topk_blocks` of S/8 block scores and the top-`index_topk` of
   S scores, both by sort;
@@ -19,9 +23,9 @@ every query sees its whole cache:
   by the radix select, the own top-k through the best `index_topk` blocks by max.
 
 Bytes that must move: the cache's rows (S·68 B per query), q, the head weights and the
-selections' output; the route also writes and re-reads one f32 score per position (counted in
-`bytes_route`). Achieved bandwidth = bytes / time, against the copy ceiling measured in the same
-run. Returns a plain JSON-able dict; errors are recorded, not raised.
+selections' output; the 'mean' route also writes and re-reads one f32 score per position
+(counted in `bytes_route`). Achieved bandwidth = bytes / time, against the copy ceiling
+measured in the same run. Returns a plain JSON-able dict; errors are recorded, not raised.
 """
 
 from __future__ import annotations
@@ -118,16 +122,24 @@ def run(
             if progress:
                 progress(out)
 
-        def scores_only(k_packed, q, weights, lengths, n_pos=n_pos):
+        def kernel_only(k_packed, q, weights, lengths, n_pos=n_pos, *, fn):
             ids = api.every_block(lengths, n_pos, BLOCK_SIZE)
-            return kernel_mgpu.pooled_scores_mgpu(k_packed, q, weights, ids, lengths)
+            return fn(k_packed, q, weights, ids, lengths)
 
         # The definition first: its number survives a kernel failure.
         scan = functools.partial(pool.candidate_source_scan, **select)
         timed("xla_scan", jax.jit(scan), datasets, entry["bytes"])
-        route = functools.partial(api.candidate_source, implementation="pallas", **select)
-        timed("pallas_route", jax.jit(route), datasets, entry["bytes"])
-        timed("pallas_scores", jax.jit(scores_only), datasets, rows + small + batch * n_pos * 4)
+        for name, reduce in (("pallas_route", "max"), ("pallas_route_mean", "mean")):
+            route = functools.partial(
+                api.candidate_source, implementation="pallas", reduce=reduce, **select
+            )
+            timed(name, jax.jit(route), datasets, entry["bytes"])
+        for name, fn, n_out in (
+            ("pallas_scores", kernel_mgpu.pooled_scores_mgpu, n_pos),
+            ("pallas_block_max", kernel_mgpu.pooled_block_max_mgpu, n_pos // BLOCK_SIZE),
+        ):
+            kernel = functools.partial(kernel_only, fn=fn)
+            timed(name, jax.jit(kernel), datasets, rows + small + batch * n_out * 4)
         del datasets  # room for the scores: 0.27 GB per data set at 1 M x 64
         scores = [
             (

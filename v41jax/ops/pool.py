@@ -195,9 +195,21 @@ def _block_scores(
     valid = valid.reshape(*batch, n_blocks, block_size)
     block_scores = jnp.where(jnp.any(valid, axis=-1), reducer(blocks, valid), -jnp.inf)
     chex.assert_shape(block_scores, (*batch, n_blocks))
+    return pin_newest_block(block_scores, lens, block_size, first_position)
 
+
+def pin_newest_block(
+    block_scores: Float[Array, "*batch n_blocks"],
+    lens: Int[Array, "*batch"],
+    block_size: int,
+    first_position: int | Int[Array, ""] = 0,
+) -> Float[Array, "*batch n_blocks"]:
+    """Step 3 of `select_candidate_blocks` on reduced block scores (of the blocks from
+    first_position, a multiple of block_size; `lens` clipped to the row): finite scores capped
+    below +inf, +inf at the block holding lens − 1 (none when lens = 0). What a kernel that
+    reduces the blocks itself (the source-scan route) applies after it."""
     newest = (lens - 1) // block_size
-    block_id = first_position // block_size + jnp.arange(n_blocks)
+    block_id = first_position // block_size + jnp.arange(block_scores.shape[-1])
     pinned = (block_id == newest[..., None]) & (lens[..., None] > 0)
     # The pin must win: other blocks are capped below +inf (a +inf score would tie with the pin,
     # and a tie could go either way).
