@@ -6,6 +6,7 @@ both tie orders, and caches of equal rows where every score ties. On the CPU the
 Mosaic GPU kernel runs in its interpreter; on a GPU (`-m gpu`) compiled, at a larger cache.
 """
 
+import dataclasses
 import functools
 import zlib
 
@@ -275,10 +276,13 @@ def block_max_of(scores):
 
 def check_block_max_kernel(seed, *, n_pos, n_heads, n_slots, config, interpret):
     """The block-max kernel's output = the block max of the scores kernel's output, bit for bit
-    (NaN rows, −1 slots, ids past the cache, ragged lengths, an empty row)."""
+    (NaN rows, −1 slots, ids past the cache, ragged lengths, an empty row); both the same with
+    whole-tile copies as block by block, and the scores those of the definition."""
     k_packed, q, weights, lengths = make_inputs(seed, batch=4, n_pos=n_pos, n_heads=n_heads)
     k_packed = with_nan_rows(k_packed, seed)
     run = dict(config=config, interpret=interpret)
+    by_block = dict(config=dataclasses.replace(config, tile_copies=False), interpret=interpret)
+    want = np.asarray(reference_scores(k_packed, q, weights, lengths))
     for ids in (
         every_block(jnp.asarray(lengths), n_pos, 8),
         scattered_blocks(seed, lengths, n_pos, n_slots),
@@ -287,6 +291,21 @@ def check_block_max_kernel(seed, *, n_pos, n_heads, n_slots, config, interpret):
         maxima = kernel_mgpu.pooled_block_max_mgpu(k_packed, q, weights, ids, lengths, **run)
         assert maxima.shape == ids.shape
         np.testing.assert_array_equal(np.asarray(maxima), block_max_of(scores))
+        for fn, got in (
+            (kernel_mgpu.pooled_scores_mgpu, scores),
+            (kernel_mgpu.pooled_block_max_mgpu, maxima),
+        ):
+            np.testing.assert_array_equal(fn(k_packed, q, weights, ids, lengths, **by_block), got)
+        positions = np.asarray(ids)[:, :, None] * 8 + np.arange(8)
+        in_cache = (np.asarray(ids)[:, :, None] >= 0) & (positions < n_pos)
+        expected = np.take_along_axis(want, np.where(in_cache, positions, 0).reshape(4, -1), 1)
+        expected = np.where(in_cache.reshape(4, -1), expected, -np.inf)
+        np.testing.assert_allclose(
+            np.asarray(scores),
+            expected,
+            rtol=1e-5,
+            atol=1e-5 * np.nanmax(np.abs(want[np.isfinite(want)])),
+        )
         assert np.isfinite(np.asarray(maxima)[0]).any() and np.isnan(scores).any()
         assert (np.asarray(maxima)[2] == -np.inf).all()  # the empty row
         if interpret:

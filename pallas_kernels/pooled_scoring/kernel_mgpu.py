@@ -8,7 +8,9 @@ and blocks of 8 positions (`supports` says so to callers). How:
   bytes, fetched by two bulk copies (bytes 0..511 and 416..543: Pallas copies move multiples of
   128 bytes, so the two overlap by 96 bytes that land twice in shared memory with the same
   values). Each warp issues the copies of two blocks. Copies for the next `num_stages − 1` tiles
-  are in flight while a tile is computed; −1 blocks are not fetched.
+  are in flight while a tile is computed; −1 blocks are not fetched. A tile of 8 consecutive
+  blocks starting at a block id that is a multiple of 4 (every full tile of the source scan)
+  is one copy of 34 lines of 128 bytes instead (`TuningConfig.tile_copies`).
 - Decode in registers (Hopper has no FP4 MMA): each 32-bit word holds 8 E2M1 nibbles; nibbles n
   and n+4 become one f16 pair with shifts and masks (the f16 bits of e2m1·2⁻¹⁴, exact, the E2M1
   subnormal included), times the f16 power of two 2^(X_g − X + 14), where X_g is the E8M0 code of
@@ -68,6 +70,9 @@ HEAD_ALIGN = 32  # heads are padded to this (wgmma N % 8, and 128-byte copies of
 MAX_HEADS = 256  # wgmma's N and a TMA box dimension
 # The two copies of one block: words [0, 128) and [104, 136) (multiples of 128 bytes each).
 _COPIES = ((0, 128), (BLOCK_WORDS - 32, 32))
+# A tile of 8 consecutive blocks is 4,352 bytes = 34 lines of 128 bytes (32 words); 4 blocks
+# (2,176 bytes) = 17 lines, so a tile that starts at a block id ≡ 0 (mod 4) starts on a line.
+_TILE_LINES = TILE_BLOCKS * BLOCK_WORDS // 32
 # Bits of an f16 pair (two halves) that the sign and the E2M1 magnitude of a nibble go to.
 _SIGN_BITS = np.uint32(0x80008000)
 _MAGNITUDE_BITS = np.uint32(0x0E000E00)
@@ -99,12 +104,16 @@ class TuningConfig:
       tiles_per_cta: 64-row tiles (8 blocks each) one CTA scores; a multiple of 4 (the block ids
         of a CTA are one copy of a multiple of 128 bytes). Fewer → more CTAs per query.
       num_stages: tiles whose rows are in flight or resident in shared memory (≥ 2).
+      tile_copies: fetch a tile of 8 consecutive blocks (first id a multiple of 4) with one copy
+        instead of 16 (taken when the cache holds a multiple of 4 blocks); False: always block
+        by block (the measured v2).
 
     The default is the tuning the GPU tests ran with; (16, 4) measured 5 % faster (NOTES.md).
     """
 
     tiles_per_cta: int = 32
     num_stages: int = 4
+    tile_copies: bool = True
 
     def __post_init__(self):
         if self.tiles_per_cta <= 0 or self.tiles_per_cta % 4:
@@ -190,6 +199,7 @@ def _decode_tile(words, scale_words):
 
 def _kernel(
     k_hbm,
+    k_tiles_hbm,
     q_hbm,
     w_hbm,
     ids_hbm,
@@ -211,6 +221,7 @@ def _kernel(
     interpret: bool,
     ablation: str | None,
     block_max: bool,
+    tile_copies: bool,
 ):
     b = lax.axis_index("batch")
     split = lax.axis_index("split")
@@ -252,6 +263,22 @@ def _kernel(
             for _ in range(copies_per_block):
                 plgpu.barrier_arrive(k_barriers.at[slot])
 
+    def fetch_tile(first, slot):
+        """Starts one copy of blocks first … first + 7 (in the cache, first % 4 = 0) into stage
+        `slot`: 4,352 contiguous bytes, 34 rows of 128 bytes of `k_tiles_hbm` (the
+        interpreter: 64 rows of 68 bytes, as it has no 128-byte rule and cannot reshape)."""
+        if whole_blocks:
+            src = k_tiles_hbm.at[b, pl.ds(first * BLOCK_SIZE, TILE_ROWS)]
+            plgpu.copy_gmem_to_smem(src, k_smem.at[slot], k_barriers.at[slot])
+            return
+        src = k_tiles_hbm.at[b, pl.ds(lax.div(first, 4) * (4 * BLOCK_WORDS // 32), _TILE_LINES)]
+        plgpu.copy_gmem_to_smem(
+            src,
+            k_smem.at[slot].reshape(_TILE_LINES, 32),
+            k_barriers.at[slot],
+            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+        )
+
     def fetch(tile, slot):
         """Starts the copies of the tile's 8 blocks into stage `slot`.
 
@@ -259,13 +286,39 @@ def _kernel(
         has no 128-byte rule but cannot reshape refs, so there (`whole_blocks`) it is one copy.
         Each warp issues the copies of two blocks: issued by the whole warpgroup, every copy
         would cost a warpgroup barrier and the address arithmetic in all 128 threads.
+
+        A tile of 8 consecutive blocks in the cache whose first id is a multiple of 4 (every
+        full tile of the source scan, and such runs in a pool) is one copy instead (`tile_copies`,
+        `fetch_tile`), issued by warp 0; the other warps arrive for the copies it replaces.
         """
+        whole = False
+        if tile_copies:
+            first = ids_smem[tile, 0]
+            whole = (first >= 0) & (lax.rem(first, 4) == 0) & (first + TILE_BLOCKS <= n_blocks)
+            for i in range(1, TILE_BLOCKS):
+                whole = whole & (ids_smem[tile, i] == first + i)
 
         def per_warp(warp):
-            for i in range(TILE_BLOCKS):
-                pl.when(warp == i * 4 // TILE_BLOCKS)(
-                    functools.partial(fetch_block, ids_smem[tile, i], i, slot)
-                )
+            def by_block():
+                for i in range(TILE_BLOCKS):
+                    pl.when(warp == i * 4 // TILE_BLOCKS)(
+                        functools.partial(fetch_block, ids_smem[tile, i], i, slot)
+                    )
+
+            if not tile_copies:
+                by_block()
+                return
+
+            @pl.when(whole)
+            def _one_copy():
+                pl.when(warp == 0)(functools.partial(fetch_tile, first, slot))
+                for j in range(TILE_BLOCKS * copies_per_block // 4):
+                    if j == 0:  # warp 0's copy stands for its first arrival
+                        pl.when(warp != 0)(lambda: plgpu.barrier_arrive(k_barriers.at[slot]))
+                    else:
+                        plgpu.barrier_arrive(k_barriers.at[slot])
+
+            pl.when(~whole)(by_block)
 
         plgpu.warp_map(per_warp)
 
@@ -490,6 +543,8 @@ def _pooled(
     limit = jnp.broadcast_to(limit[:, None], (batch, 32))  # one 128-byte row per query
 
     num_stages = min(config.num_stages, tiles_per_cta)
+    # Whole-tile copies need the cache as 128-byte lines: a whole number of them (blocks % 4 = 0).
+    tile_copies = config.tile_copies and k_words.shape[1] % 4 == 0
     swizzle = 128
     q_transforms = (
         plgpu.TilingTransform((8, swizzle // 2)),
@@ -513,6 +568,7 @@ def _pooled(
             interpret=interpret,
             ablation=ablation,
             block_max=block_max,
+            tile_copies=tile_copies,
         ),
         out_type=jax.ShapeDtypeStruct(out_type, jnp.float32),
         scratch_types=[
@@ -542,8 +598,13 @@ def _pooled(
         ),
     )
     if interpret:
+        k_tiles = k_words.reshape(batch, -1, ROW_WORDS)  # [B, blocks·8, 17]: rows
         k_words = k_words.reshape(batch, -1, BLOCK_SIZE, ROW_WORDS)
-    out = kernel(k_words, q_kernel, w_kernel, ids, limit)
+    elif tile_copies:
+        k_tiles = k_words.reshape(batch, -1, 32)  # [B, blocks·17/4, 32]: 128-byte lines
+    else:
+        k_tiles = k_words  # not read
+    out = kernel(k_words, k_tiles, q_kernel, w_kernel, ids, limit)
     if block_max:
         return out.reshape(batch, padded_slots)[:, :n_slots]
     return out.reshape(batch, padded_slots * BLOCK_SIZE)[:, : n_slots * BLOCK_SIZE]
