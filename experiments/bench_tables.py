@@ -6,6 +6,7 @@ and `train_throughput.py`, so the document's numbers are the JSON's, never retyp
     python3 experiments/bench_tables.py --long-context experiments/results/long_context_h200_*.json
     python3 experiments/bench_tables.py --groups experiments/results/train_throughput_group_*.json
     python3 experiments/bench_tables.py --decode experiments/results/bench_decode_h200_*.json
+    python3 experiments/bench_tables.py --topk experiments/results/bench_topk_h200_*.json
 """
 
 from __future__ import annotations
@@ -306,9 +307,15 @@ def main() -> None:
         "--before", nargs="+", type=Path, default=[], help="earlier throughput runs to compare"
     )
     parser.add_argument("--decode", action="store_true", help="the paths are bench_decode runs")
+    parser.add_argument(
+        "--topk", action="store_true", help="the paths are pallas_kernels.topk.bench runs"
+    )
     args = parser.parse_args()
     reports = [json.loads(p.read_text()) for p in args.paths]
-    if args.decode:
+    if args.topk:
+        for report in reports:
+            print(topk(report))
+    elif args.decode:
         for report in reports:
             print(decode(report))
     elif args.long_context:

@@ -415,7 +415,7 @@ def _kernel(
             by_block = out_smem[...].reshape(n_rows, BLOCK_SIZE)
         else:
             by_block = plgpu.load(
-                out_smem.reshape(n_rows, BLOCK_SIZE), (), layout=plgpu.Layout.WGMMA, optimized=False
+                out_smem.reshape(n_rows, BLOCK_SIZE), layout=plgpu.Layout.WGMMA, optimized=False
             )
         blocks_smem[...] = jnp.max(by_block, axis=1)
         plgpu.commit_smem()
