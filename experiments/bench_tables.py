@@ -80,9 +80,11 @@ def _ms(entry: dict, name: str, digits: int = 3) -> str:
 
 
 def topk(report: dict) -> str:
-    """`pallas_kernels.topk.bench`: the sort against the radix select at each pass width."""
+    """`pallas_kernels.topk.bench`: the sort against the selection through the best blocks and
+    the radix select at each pass width."""
     shapes = report["shapes"]
-    widths = sorted({name for e in shapes.values() for name in e if name.startswith("radix_")})
+    names = {name for e in shapes.values() for name in e}
+    widths = ["blocks"] * ("blocks" in names) + sorted(n for n in names if n.startswith("radix_"))
     lines = [
         f"Top-k of the decode step (batch {report['batch']}; ReLU-like scores, a third 0):",
         "",

@@ -35,7 +35,7 @@ if [[ $stage == kernels_quick ]]; then
   timeout -s INT 130 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_topk_select.py \
     tests/test_source_scan.py tests/test_pooled_scoring.py 2>&1 \
     | tee "$OUT/gpu_tests_kernels.log" || status=1
-  timeout -s INT 50 "$PY" -m pallas_kernels.topk.bench --iterations 5 --datasets 1 \
+  timeout -s INT 50 "$PY" -m pallas_kernels.topk.bench --iterations 5 --datasets 1 --digit-bits 4 \
     --shapes pool_slots source_blocks --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == all || $stage == throughput ]]; then

@@ -18,12 +18,10 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_i
 
 from pallas_kernels.pooled_scoring import TuningConfig, kernel_mgpu
 from pallas_kernels.source_scan import candidate_source
-from pallas_kernels.source_scan.api import every_block, selections, topk_through_blocks
-from pallas_kernels.topk import api as topk_api
+from pallas_kernels.source_scan.api import every_block, selections
 from v41jax.ops import formats
 from v41jax.ops.pool import block_scores, candidate_source_scan, source_selection
 from v41jax.ops.scoring import index_scores
-from v41jax.ops.scoring import topk as scoring_topk
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
@@ -130,30 +128,6 @@ def test_selection_matches_a_numpy_loop_on_tied_scores(reduce, tie_order):
     assert (np.asarray(got.block_ids[2]) == -1).all() and (
         np.asarray(got.topk.indices[2]) == -1
     ).all()
-
-
-@pytest.mark.parametrize("tie_order", ["oldest", "newest"])
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_the_sources_top_k_through_its_best_blocks_by_max(tie_order, implementation):
-    """The kernel route's own top-k (`topk_through_blocks`): the source's top-k positions are
-    exactly the top-k of the positions inside its best k blocks by block max (ties by the same
-    rule among blocks and among positions), so the route never selects over every position.
-    Scores with many ties, −inf, NaN, a row shorter than its scores and an empty row; k below,
-    at and above the block count; both selections (the sort and the radix select)."""
-    select = functools.partial(topk_api.topk, implementation=implementation)
-    through_blocks = jax.jit(topk_through_blocks, static_argnums=(2, 3, 4, 5))
-    for seed in range(8):
-        rng = np.random.default_rng(seed)
-        scores = rng.integers(-3, 4, size=(4, 203)).astype(np.float32)
-        scores[rng.random(scores.shape) < 0.1] = -np.inf
-        scores[rng.random(scores.shape) < 0.02] = np.nan
-        lengths = np.array([203, rng.integers(1, 203), 0, rng.integers(1, 203)], np.int32)
-        visible = np.where(np.arange(203) < lengths[:, None], scores, -np.inf)
-        for k in (1, 12, 26, 40, 250):
-            want = scoring_topk(visible, k, tie_order=tie_order)
-            got = through_blocks(scores, lengths, k, 8, tie_order, select)
-            np.testing.assert_array_equal(got.indices, want.indices, err_msg=f"{seed=} {k=}")
-            np.testing.assert_array_equal(got.scores, want.scores, err_msg=f"{seed=} {k=}")
 
 
 @pytest.mark.parametrize("reduce", ["max", "mean", "top2"])

@@ -1,8 +1,10 @@
-"""The top-k of the kernel routes (issue 16 item 2): `pallas_kernels.topk`'s radix select against
-the definition, `ops.scoring.topk`, bit for bit (indices and score bits) on fresh random rows
-with ties, ±0, −inf, +inf, NaN, subnormals and the float32 extremes, every tie order and pass
-width, k from 0 past the row's length; its parts against numpy; its errors; and the kernel
-routes of pooled scoring and the source scan selecting through it.
+"""The top-k of the kernel routes (issue 16 item 2): `pallas_kernels.topk`'s two methods, the
+selection through the best blocks and the radix select, against the definition,
+`ops.scoring.topk`, bit for bit (indices and score bits) on fresh random rows with ties, ±0,
+−inf, +inf, NaN, subnormals and the float32 extremes, every tie order and pass width, k from 0
+past the row's length, rows long enough for several levels of blocks; the radix select's parts
+against numpy; the errors; and the kernel routes of pooled scoring and the source scan
+selecting through it.
 """
 
 import functools
@@ -14,7 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pallas_kernels.topk import radix, supports, topk
+from pallas_kernels.topk import blocks, radix, supports, topk
+from pallas_kernels.topk.api import METHODS
 from v41jax.ops import scoring
 
 F32 = np.finfo(np.float32)
@@ -23,7 +26,7 @@ SPECIAL = np.array(
      -F32.smallest_subnormal, F32.tiny, 2.5, np.nan],
     np.float32,
 )  # fmt: skip
-STATIC = ("k", "tie_order", "neginf_picks", "implementation", "digit_bits")
+STATIC = ("k", "tie_order", "neginf_picks", "implementation", "method", "digit_bits")
 fast = jax.jit(topk, static_argnames=STATIC)
 definition = jax.jit(scoring.topk, static_argnames=("k", "tie_order", "neginf_picks"))
 
@@ -62,9 +65,43 @@ def test_radix_select_equals_the_definition(kind, tie_order, digit_bits):
         scores = random_rows(rng, (3, n), kind)
         for k in sorted({0, 1, n // 3, n - 1, n + 5}):
             got = fast(
-                scores, k, tie_order=tie_order, implementation="pallas", digit_bits=digit_bits
+                scores,
+                k,
+                tie_order=tie_order,
+                implementation="pallas",
+                method="radix",
+                digit_bits=digit_bits,
             )
             assert_same_picks(got, definition(scores, k, tie_order=tie_order))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "relu", "special"])
+@pytest.mark.parametrize("tie_order", scoring.TIE_ORDERS)
+def test_the_selection_through_blocks_equals_the_definition(kind, tie_order):
+    """Rows of 1, 203 and 1,500 scores (at k = 3 the last goes through three levels of blocks:
+    1,500 → 188 block maxima → 24 → 3), k from 0 past the row's length."""
+    rng = np.random.default_rng([len(kind), len(tie_order)])
+    for n in (1, 203, 1500):
+        scores = random_rows(rng, (3, n), kind)
+        for k in sorted({0, 1, 3, 24, n // 3, n - 1, n + 5}):
+            got = fast(scores, k, tie_order=tie_order, implementation="pallas", method="blocks")
+            assert_same_picks(got, definition(scores, k, tie_order=tie_order))
+
+
+def test_the_selection_through_blocks_recurses_while_blocks_outnumber_k(monkeypatch):
+    """Each level selects over the block maxima until k is at least the number of blocks; the
+    leaves then see n/8 maxima and k·8 slots, never the n scores."""
+    sizes = []
+    real = scoring.topk
+
+    def leaf(scores, k, **kwargs):
+        sizes.append(scores.shape[-1])
+        return real(scores, k, **kwargs)
+
+    scores = random_rows(np.random.default_rng(0), (2, 1500), "ties")
+    got = blocks.topk(jnp.asarray(scores), 3, tie_order="oldest", leaf=leaf)
+    assert_same_picks(got, definition(scores, 3, tie_order="oldest"))
+    assert sizes == [24, 24, 24]  # 24 maxima of maxima; then 3 blocks' 24 slots, twice
 
 
 @st.composite
@@ -81,11 +118,12 @@ def score_cases(draw):
     tie_order=st.sampled_from(scoring.TIE_ORDERS),
     masked=st.booleans(),
     implementation=st.sampled_from(["pallas", "pallas_interpret"]),
+    method=st.sampled_from(METHODS),
 )
-def test_radix_select_equals_the_definition_property(case, tie_order, masked, implementation):
+def test_the_methods_equal_the_definition_property(case, tie_order, masked, implementation, method):
     scores, k, rng = case
     mask = rng.random(scores.shape) < 0.6 if masked else None
-    got = topk(scores, k, mask, tie_order=tie_order, implementation=implementation)
+    got = topk(scores, k, mask, tie_order=tie_order, implementation=implementation, method=method)
     assert_same_picks(got, scoring.topk(scores, k, mask, tie_order=tie_order))
 
 
@@ -95,8 +133,8 @@ def test_rows_where_everything_ties_or_nothing_is_reachable(tie_order):
     rows = np.stack(
         [np.zeros(n), -np.zeros(n), np.full(n, -np.inf), np.full(n, np.nan), np.full(n, np.inf)]
     ).astype(np.float32)
-    for k in (1, 17, n):
-        got = fast(rows, k, tie_order=tie_order, implementation="pallas")
+    for k, method in [(k, m) for k in (1, 17, n) for m in METHODS]:
+        got = fast(rows, k, tie_order=tie_order, implementation="pallas", method=method)
         assert_same_picks(got, definition(rows, k, tie_order=tie_order))
         span = np.arange(k) if tie_order == "oldest" else np.arange(n - k, n)
         np.testing.assert_array_equal(got.indices[0], span)  # the tie rule, spelled out
@@ -133,20 +171,21 @@ def test_largest_threshold_against_a_count(digit_bits):
 
 
 def test_the_kernel_routes_select_with_it(monkeypatch):
-    """Pooled scoring's `topk` and the source scan's selections run the radix select under the
-    kernel implementations (not the definition's sort), and their picks still equal 'xla''s."""
+    """Pooled scoring's `topk` and the source scan's selections run the selection through the
+    best blocks under the kernel implementations (not the definition's sort of every score),
+    and their picks still equal 'xla''s."""
     from pallas_kernels.pooled_scoring import TuningConfig, pooled_scores
     from pallas_kernels.source_scan import candidate_source
     from pallas_kernels.source_scan.bench import random_inputs
 
     calls = []
-    real = radix.threshold_topk
+    real = blocks.topk
 
     def counted(*args, **kwargs):
         calls.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(radix, "threshold_topk", counted)
+    monkeypatch.setattr(blocks, "topk", counted)
     k_packed, q, weights, lengths = random_inputs(
         jax.random.key(5), batch=2, n_pos=64, n_heads=2, dim=128
     )
@@ -174,6 +213,7 @@ def test_the_kernel_routes_select_with_it(monkeypatch):
         ({"neginf_picks": "all"}, "neginf_picks"),
         ({"implementation": "cuda"}, "implementation"),
         ({"digit_bits": 7}, "digit_bits"),
+        ({"method": "sort"}, "method"),
         ({"mask": np.ones((2, 9), bool), "neginf_picks": "keep"}, "neginf_picks"),
         ({"mask": np.ones((2, 9), np.int32)}, "mask"),
         ({"scores": np.ones((2, 9), np.int32)}, "scores"),
@@ -189,19 +229,22 @@ def test_supports_says_what_it_takes():
     assert supports("xla", masked=True, neginf_picks="keep")
     assert supports("pallas", masked=True)
     assert supports("pallas", masked=False, neginf_picks="keep")
-    limited = supports("pallas", masked=True, neginf_picks="keep", digit_bits=7)
+    limited = supports("pallas", masked=True, neginf_picks="keep", method="heap", digit_bits=7)
     assert not limited
-    assert [limit.argument for limit in limited.limits] == ["neginf_picks", "digit_bits"]
+    arguments = [limit.argument for limit in limited.limits]
+    assert arguments == ["method", "neginf_picks", "digit_bits"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU as jax's default backend")
 def test_the_benchmark_times_equal_picks_gpu():
-    """The benchmark's radix select gives the sort's picks on its own data (compiled on a GPU,
-    at the pool's size), and its timings come back."""
+    """The benchmark's selection through the best blocks and its radix select give the sort's
+    picks on its own data (compiled on a GPU, at the pool's size), and their timings come
+    back."""
     from pallas_kernels.topk import bench
 
     result = bench.run(shapes={"pool_slots": (16_384, 512)}, digit_bits=(4,), iterations=2)
     entry = result["shapes"]["pool_slots"]
     assert "median_ms" in entry["xla_sort"], entry
     assert entry["radix_4bit"]["equal_to_sort"], entry
+    assert entry["blocks"]["equal_to_sort"], entry

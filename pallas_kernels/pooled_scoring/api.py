@@ -12,8 +12,8 @@
 The gradient (w.r.t. q and weights) is always the definition's (`jax.vjp`), so training can call
 the kernel's forward. With `topk`, the pool's best positions are selected from the scores
 (`ops.pool.pool_topk_from_scores`, `ops.scoring.topk`'s rules; the kernel implementations select
-with `pallas_kernels.topk`'s radix select, the same picks without a sort) and their scores carry
-the gradient.
+with `pallas_kernels.topk`, the same picks from a sort of the best blocks only) and their scores
+carry the gradient.
 
 The numerics switches (`ops.scoring`): `tie_order` and `neginf_picks` act in the top-k after the
 scores, so every implementation honours them; `score_dtype='bfloat16'` rounds inside the score

@@ -18,9 +18,10 @@ switch (`pallas_kernels.dispatch`).
     lies inside its best `index_topk` blocks by max, which the kernel scores again position by
     position (`index_topk`·8 rows per query) for `ops.pool.pool_topk_from_scores`;
   - any other reducer: the kernel writes one f32 score per position and `selections` makes both
-    picks from them (the own top-k through the best blocks as well: `topk_through_blocks`).
-  Every top-k is `pallas_kernels.topk`'s radix select (the same picks as the sort). What the
-  route takes is the pooled kernel's `supports`.
+    picks from them.
+  Every top-k is `pallas_kernels.topk`'s (the same picks as the definition's sort, which it
+  runs over the best blocks by max only). What the route takes is the pooled kernel's
+  `supports`.
 
 Selections: the same rules in every implementation (`tie_order`; the pool pins the block of the
 newest visible position; the source's own top-k drops −inf picks). The kernel's scores differ
@@ -41,7 +42,6 @@ from pallas_kernels.pooled_scoring import kernel_mgpu
 from pallas_kernels.topk import api as topk_api
 from v41jax.ops import pool
 from v41jax.ops.pool import BlockReducer, SourceSelection
-from v41jax.ops.scoring import TopK
 
 
 def supports(
@@ -151,7 +151,9 @@ def candidate_source(
     block_ids = _pool_blocks(maxima, lengths, topk_blocks, block_size, tie_order, select, pin=True)
     best = select(maxima, min(index_topk, blocks.shape[1]), tie_order=tie_order).indices
     slot_scores = kernel_mgpu.pooled_scores_mgpu(words, q, weights, best, lengths, **kernel)
-    own = _topk_of_blocks(slot_scores, best, index_topk, block_size, tie_order, select)
+    own = pool.pool_topk_from_scores(
+        slot_scores, best, index_topk, block_size=block_size, tie_order=tie_order, select=select
+    )
     return SourceSelection(block_ids, own)
 
 
@@ -169,8 +171,8 @@ def selections(
     """The candidate source's two selections from its scores of every position (< lengths).
 
     'xla': the definition's, `ops.pool.source_selection` (two sort-based top-k, one over every
-    position). The kernel implementations: the pool's blocks by the radix select, and the own
-    top-k by `topk_through_blocks` with it. The same picks from the same scores."""
+    position). The kernel implementations: both by `pallas_kernels.topk` (through the best
+    blocks by max, never a sort of every position). The same picks from the same scores."""
     dispatch.check_implementation(implementation)
     rule = dict(block_size=block_size, reduce=reduce, tie_order=tie_order)
     if implementation == "xla":
@@ -183,7 +185,8 @@ def selections(
     else:  # no pool (a Full layer that is not the candidate source): no block scores to make
         blocks = jnp.zeros((scores.shape[0], 0), jnp.float32)
     block_ids = _pool_blocks(blocks, lengths, topk_blocks, block_size, tie_order, select)
-    own = topk_through_blocks(scores, lengths, index_topk, block_size, tie_order, select)
+    visible = jnp.arange(scores.shape[-1]) < jnp.asarray(lengths)[:, None]
+    own = select(jnp.where(visible, scores, -jnp.inf), index_topk, tie_order=tie_order)
     return SourceSelection(block_ids, own)
 
 
@@ -195,38 +198,3 @@ def _pool_blocks(blocks, lengths, topk_blocks, block_size, tie_order, select, *,
     if pin:
         blocks = pool.pin_newest_block(blocks, lengths, block_size)
     return select(blocks, topk_blocks, tie_order=tie_order).indices
-
-
-def topk_through_blocks(
-    scores: Float[Array, "batch n_pos"],
-    lengths: Int[Array, " batch"],
-    k: int,
-    block_size: int,
-    tie_order: str,
-    select: pool.Select,
-) -> TopK:
-    """`scoring.topk(scores visible below lengths, k, tie_order=...)` through the k best blocks
-    by block max: the k best positions lie inside them (ties by the same rule among blocks and
-    among positions; `tests/test_source_scan.py` checks the identity), so the selection runs
-    over k/8 of the position count (block maxima), then over those blocks' k·block_size slots,
-    never over every position. NaN counts as −inf, as in `topk`. `select` makes both top-k."""
-    n_pos = scores.shape[-1]
-    n_blocks = -(-n_pos // block_size)
-    visible = jnp.arange(n_pos) < jnp.asarray(lengths)[:, None]
-    scores = jnp.where(visible & ~jnp.isnan(scores), scores, -jnp.inf)
-    padded = jnp.pad(scores, ((0, 0), (0, n_blocks * block_size - n_pos)), constant_values=-jnp.inf)
-    block_max = jnp.max(padded.reshape(-1, n_blocks, block_size), axis=-1)
-    best = select(block_max, min(k, n_blocks), tie_order=tie_order).indices  # ascending, −1
-    slots = pool.pool_positions(best, block_size)
-    slot_scores = jnp.take_along_axis(padded, jnp.maximum(slots, 0), axis=-1)
-    slot_scores = jnp.where(slots >= 0, slot_scores, -jnp.inf)
-    return _topk_of_blocks(slot_scores, best, k, block_size, tie_order, select)
-
-
-def _topk_of_blocks(slot_scores, best, k, block_size, tie_order, select) -> TopK:
-    """The top-k positions among the slots of the blocks `best` (ascending, −1 padded) from the
-    slots' scores (−inf at −1 blocks and invisible positions; NaN counts as −inf)."""
-    slot_scores = jnp.where(jnp.isnan(slot_scores), -jnp.inf, slot_scores)
-    return pool.pool_topk_from_scores(
-        slot_scores, best, k, block_size=block_size, tie_order=tie_order, select=select
-    )

@@ -20,7 +20,7 @@ every query sees its whole cache:
   scores): block scores, the top-`topk_blocks` of S/8 block scores and the top-`index_topk` of
   S scores, both by sort;
 - `selections_pallas`: the route's (`api.selections(implementation='pallas')`): the same picks
-  by the radix select, the own top-k through the best `index_topk` blocks by max.
+  by `pallas_kernels.topk` (sorts through the best blocks by max, not of every score).
 
 Bytes that must move: the cache's rows (S·68 B per query), q, the head weights and the
 selections' output; the 'mean' route also writes and re-reads one f32 score per position

@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 -m pallas_kernels.topk.bench --out topk.json   # also prints it
 
 `run(...)` times `pallas_kernels.topk.topk` with the definition's sort ('xla': `lax.top_k`, then
-the picks sorted by position) and with the radix select ('pallas', one entry per pass width),
+the picks sorted by position), with the sort through the best blocks ('pallas', `blocks`) and
+with the radix select ('pallas', one entry per pass width),
 with the project's device timer (`pallas_kernels.timing.measure`: CUPTI, warm-up, medians) on
 several fresh random data sets, at the three selections of a V4.1 decode step at 1 M tokens,
 batch 64:
@@ -15,8 +16,8 @@ batch 64:
   the source-scan route selects from today).
 
 The scores are ReLU-like (a third of them exactly 0, a tenth −inf), so ties are as common as
-in the model. Every entry also records whether the radix select's picks equal the sort's on the
-data it was timed on. Returns a plain JSON-able dict; errors are recorded, not raised.
+in the model. Every entry also records whether its picks equal the sort's on the data it was
+timed on. Returns a plain JSON-able dict; errors are recorded, not raised.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def run(
     n_datasets: int = 2,
     progress: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Times the sort and the radix select (each of `digit_bits`) at each of `shapes`.
+    """Times the sort, the selection through the best blocks and the radix select (each of
+    `digit_bits`) at each of `shapes`.
 
     Args:
       shapes: name → (scores per query, k).
@@ -90,11 +92,11 @@ def run(
         if progress:
             progress(out)
         want = sort(*datasets[-1])
-        for bits in digit_bits:
-            label = f"radix_{bits}bit"
-            select = jax.jit(
-                functools.partial(api.topk, k=k, implementation="pallas", digit_bits=bits)
-            )
+        methods = [("blocks", {"method": "blocks"})] + [
+            (f"radix_{bits}bit", {"method": "radix", "digit_bits": bits}) for bits in digit_bits
+        ]
+        for label, method in methods:
+            select = jax.jit(functools.partial(api.topk, k=k, implementation="pallas", **method))
             timing.record(entry, label, select, datasets, iterations)
             if "median_ms" in entry[label]:
                 got = select(*datasets[-1])
