@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from v41jax.ops import pool
 from v41jax.ops.scoring import TopK
 
 BLOCK = 8
@@ -55,10 +56,8 @@ def topk(
     best = topk(block_max, k, tie_order=tie_order, leaf=leaf, block=block).indices
     # The slots of the best blocks in position order (the ids ascend, −1 blocks last): the
     # leaf's tie rule over slots is its rule over positions.
-    slots = best[..., :, None] * block + jnp.arange(block)
-    slots = slots.reshape(*best.shape[:-1], k * block)
-    inside = jnp.repeat(best >= 0, block, axis=-1)
-    slot_scores = jnp.take_along_axis(padded, jnp.where(inside, slots, 0), axis=-1)
-    picks = leaf(jnp.where(inside, slot_scores, -jnp.inf), k, tie_order=tie_order)
+    slots = pool.pool_positions(best, block)  # −1 in −1 blocks
+    slot_scores = jnp.take_along_axis(padded, jnp.maximum(slots, 0), axis=-1)
+    picks = leaf(jnp.where(slots >= 0, slot_scores, -jnp.inf), k, tie_order=tie_order)
     positions = jnp.take_along_axis(slots, jnp.maximum(picks.indices, 0), axis=-1)
     return TopK(jnp.where(picks.indices >= 0, positions, -1), picks.scores)
