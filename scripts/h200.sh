@@ -3,7 +3,7 @@
 # $OUT set): the GPU tests, the kernel benchmark, training throughput, a learnability probe.
 #   bash scripts/h200.sh            # everything, results under $OUT
 #   bash scripts/h200.sh tests      # one stage: tests | bench | decode | throughput | learning |
-#                                   # ablations | kernels_quick (issue 16's first checks, ~3 minutes)
+#                                   # ablations | kernels_quick (issue 16's first checks, ~4 minutes)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -32,7 +32,7 @@ if [[ $stage == kernels_quick ]]; then
   # Issue 16's first checks in the few minutes a study session leaves (experiments/README): the
   # GPU tests of the kernel routes and their top-k, then the top-k benchmark at the pool's and
   # the block scores' sizes. Each part has its own time cap (a guard: what finished is in $OUT).
-  timeout -s INT 130 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_topk_select.py \
+  timeout -s INT 190 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_topk_select.py \
     tests/test_source_scan.py tests/test_pooled_scoring.py 2>&1 \
     | tee "$OUT/gpu_tests_kernels.log" || status=1
   timeout -s INT 50 "$PY" -m pallas_kernels.topk.bench --iterations 5 --datasets 1 --digit-bits 4 \
