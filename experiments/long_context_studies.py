@@ -384,6 +384,13 @@ def restore(plan: Plan, combined: Path) -> list[str]:
     records = [dict(r, phase=phase_of(r)) for r in report["results"]]
     by_name = {p.name: p for p in plan.phases}
     found = list(dict.fromkeys(r["phase"] for r in records))
+    if len(config["argv"]) != len(found):
+        # experiments/merge_reports.py keeps one argv per joined report, not one per phase.
+        raise ValueError(
+            f"--restore: expected one argv per phase in {combined} ({len(found)} phases: "
+            f"{', '.join(found)}), got {len(config['argv'])}: a report that merge_reports.py "
+            "joined from several sessions; restore the reports it was merged from"
+        )
     restored = []
     for name, argv in zip(found, config["argv"], strict=True):
         phase = by_name.get(name)
@@ -621,7 +628,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in args.restore:
         if not path.is_file():
             parser.error(f"--restore: no such report: {path}")
-        if names := restore(plan, path):
+        try:
+            names = restore(plan, path)
+        except ValueError as error:
+            parser.error(str(error))
+        if names:
             print(f"restored from {path}: {', '.join(names)}", flush=True)
     if args.status:
         print(status(plan))

@@ -589,6 +589,10 @@ def test_long_context_studies_combine_the_phases_into_each_studys_report(tmp_pat
     assert long_context_studies.restore(fresh, combined) == []  # already there: left alone
     with pytest.raises(ValueError, match="--restore: expected a combined report of"):
         long_context_studies.restore(fresh, plan.report_path(P(16, "max")))
+    merged = dict(report, config=dict(report["config"], argv=[report["config"]["argv"]]))
+    combined.write_text(json.dumps(merged))  # merge_reports.py's form: one argv per report
+    with pytest.raises(ValueError, match="3 phases: ratio16-max, ratio16-mean, ratio16-dense"):
+        long_context_studies.restore(_studies_plan(tmp_path / "other"), combined)
 
 
 def test_long_context_studies_pool_size_report_summarizes_each_pool_apart(tmp_path):
