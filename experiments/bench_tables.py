@@ -80,11 +80,13 @@ def _ms(entry: dict, name: str, digits: int = 3) -> str:
 
 
 def topk(report: dict) -> str:
-    """`pallas_kernels.topk.bench`: the sort against the selection through the best blocks and
-    the radix select at each pass width."""
+    """`pallas_kernels.topk.bench`: the sort against the selection through the best blocks, the
+    radix select and the radix-select kernel at each pass width."""
     shapes = report["shapes"]
     names = {name for e in shapes.values() for name in e}
-    widths = ["blocks"] * ("blocks" in names) + sorted(n for n in names if n.startswith("radix_"))
+    widths = ["blocks"] * ("blocks" in names)
+    widths += sorted(n for n in names if n.startswith("radix_"))
+    widths += sorted(n for n in names if n.startswith("kernel_"))
     lines = [
         f"Top-k of the decode step (batch {report['batch']}; ReLU-like scores, a third 0):",
         "",

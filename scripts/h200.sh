@@ -3,7 +3,7 @@
 # $OUT set): the GPU tests, the kernel benchmark, training throughput, a learnability probe.
 #   bash scripts/h200.sh            # everything, results under $OUT
 #   bash scripts/h200.sh tests      # one stage: tests | bench | decode | throughput | learning |
-#                                   # ablations | kernels_quick (issue 16's first checks, ~4 minutes)
+#                                   # ablations | kernels_quick (issue 16's first checks, ~6 minutes)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -29,14 +29,18 @@ if [[ $stage == all || $stage == decode ]]; then
   "$PY" experiments/bench_decode.py --out "$OUT/bench_decode_h200.json" || status=1
 fi
 if [[ $stage == kernels_quick ]]; then
-  # Issue 16's first checks in the few minutes a study session leaves (experiments/README): the
-  # GPU tests of the kernel routes and their top-k, then the top-k benchmark at the pool's and
-  # the block scores' sizes. Each part has its own time cap (a guard: what finished is in $OUT).
-  timeout -s INT 190 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_topk_select.py \
-    tests/test_source_scan.py tests/test_pooled_scoring.py 2>&1 \
-    | tee "$OUT/gpu_tests_kernels.log" || status=1
-  timeout -s INT 50 "$PY" -m pallas_kernels.topk.bench --iterations 5 --datasets 1 --digit-bits 4 \
-    --shapes pool_slots source_blocks --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
+  # Issue 16's first checks in the few minutes a study session leaves (experiments/README),
+  # newest first: the top-k's GPU tests (the radix-select kernel compiled against the
+  # definition), the top-k benchmark at the pool's and the block scores' sizes, then the GPU
+  # tests of the kernel routes. Each part has its own time cap (a guard: what finished is in
+  # $OUT; `pytest -v` names the tests that passed before a cut).
+  timeout -s INT 100 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_topk_select.py \
+    2>&1 | tee "$OUT/gpu_tests_topk.log" || status=1
+  timeout -s INT 70 "$PY" -m pallas_kernels.topk.bench --iterations 5 --datasets 1 \
+    --digit-bits 2 4 --shapes pool_slots source_blocks --out "$OUT/bench_topk_h200.json" \
+    >/dev/null || status=1
+  timeout -s INT 190 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_source_scan.py \
+    tests/test_pooled_scoring.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" || status=1
 fi
 if [[ $stage == all || $stage == throughput ]]; then
   "$PY" experiments/train_throughput.py --out "$OUT/train_throughput_h200.json" || status=1

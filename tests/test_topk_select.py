@@ -1,5 +1,6 @@
-"""The top-k of the kernel routes (issue 16 item 2): `pallas_kernels.topk`'s two methods, the
-selection through the best blocks and the radix select, against the definition,
+"""The top-k of the kernel routes (issue 16 item 2): `pallas_kernels.topk`'s three methods,
+the selection through the best blocks, the radix select and the radix-select kernel
+(interpreted), against the definition,
 `ops.scoring.topk`, bit for bit (indices and score bits) on fresh random rows with ties, ±0,
 −inf, +inf, NaN, subnormals and the float32 extremes, every tie order and pass width, k from 0
 past the row's length, rows long enough for several levels of blocks; the radix select's parts
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pallas_kernels.topk import blocks, radix, supports, topk
+from pallas_kernels.topk import blocks, kernel_triton, radix, supports, topk
 from pallas_kernels.topk.api import METHODS
 from v41jax.ops import scoring
 
@@ -104,6 +105,51 @@ def test_the_selection_through_blocks_recurses_while_blocks_outnumber_k(monkeypa
     assert sizes == [24, 24, 24]  # 24 maxima of maxima; then 3 blocks' 24 slots, twice
 
 
+@pytest.mark.parametrize("tie_order", scoring.TIE_ORDERS)
+@pytest.mark.parametrize("digit_bits", kernel_triton.DIGIT_BITS)
+def test_the_radix_select_kernel_equals_the_definition(tie_order, digit_bits):
+    """One interpreted program per row, rows of every kind side by side: 1, 64 and 203 scores
+    (the last padded to 256 with −inf), k from 1 to the row's length."""
+    rng = np.random.default_rng([digit_bits, len(tie_order), 7])
+    for n in (1, 64, 203):
+        kinds = ["normal", "ties", "relu", "special"]
+        scores = np.concatenate([random_rows(rng, (2, n), kind) for kind in kinds])
+        for k in sorted({1, n // 3 or 1, n}):
+            got = kernel_triton.select(
+                jnp.asarray(scores), k, tie_order=tie_order, digit_bits=digit_bits, interpret=True
+            )
+            assert_same_picks(got, definition(scores, k, tie_order=tie_order))
+
+
+def test_the_kernel_method_goes_through_blocks_past_the_kernels_rows(monkeypatch):
+    """Rows longer than `kernel_triton.MAX_N` (made 64 here) are selected through the best
+    blocks with the kernel at the leaves, each leaf at most 64 scores; the picks are the
+    definition's. A k whose leaves would not fit either is refused by name."""
+    monkeypatch.setattr(kernel_triton, "MAX_N", 64)
+    sizes = []
+    real = kernel_triton.select
+
+    def counted(scores, k, **kwargs):
+        sizes.append(scores.shape[-1])
+        return real(scores, k, **kwargs)
+
+    monkeypatch.setattr(kernel_triton, "select", counted)
+    rng = np.random.default_rng(11)
+    for tie_order in scoring.TIE_ORDERS:
+        scores = random_rows(rng, (2, 1500), "ties")
+        got = topk(
+            scores, 8, tie_order=tie_order, implementation="pallas_interpret", method="kernel"
+        )
+        assert_same_picks(got, definition(scores, 8, tie_order=tie_order))
+    assert sizes and max(sizes) <= 64, sizes
+    with pytest.raises(ValueError, match=r"n_pos, k: expected rows of at most 64 scores"):
+        topk(scores, 9, implementation="pallas_interpret", method="kernel")
+    with pytest.raises(ValueError, match=r"n: expected 1 ≤ scores per row ≤ 64"):
+        real(jnp.asarray(scores), 8, interpret=True)
+    empty = real(jnp.zeros((0, 3, 40), jnp.float32), 5, interpret=True)  # no rows
+    assert empty.indices.shape == empty.scores.shape == (0, 3, 5)
+
+
 @st.composite
 def score_cases(draw):
     batch = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
@@ -123,6 +169,8 @@ def score_cases(draw):
 def test_the_methods_equal_the_definition_property(case, tie_order, masked, implementation, method):
     scores, k, rng = case
     mask = rng.random(scores.shape) < 0.6 if masked else None
+    if method == "kernel":
+        implementation = "pallas_interpret"  # a Pallas program: compiled only on a GPU
     got = topk(scores, k, mask, tie_order=tie_order, implementation=implementation, method=method)
     assert_same_picks(got, scoring.topk(scores, k, mask, tie_order=tie_order))
 
@@ -134,7 +182,8 @@ def test_rows_where_everything_ties_or_nothing_is_reachable(tie_order):
         [np.zeros(n), -np.zeros(n), np.full(n, -np.inf), np.full(n, np.nan), np.full(n, np.inf)]
     ).astype(np.float32)
     for k, method in [(k, m) for k in (1, 17, n) for m in METHODS]:
-        got = fast(rows, k, tie_order=tie_order, implementation="pallas", method=method)
+        implementation = "pallas_interpret" if method == "kernel" else "pallas"
+        got = fast(rows, k, tie_order=tie_order, implementation=implementation, method=method)
         assert_same_picks(got, definition(rows, k, tie_order=tie_order))
         span = np.arange(k) if tie_order == "oldest" else np.arange(n - k, n)
         np.testing.assert_array_equal(got.indices[0], span)  # the tie rule, spelled out
@@ -233,14 +282,21 @@ def test_supports_says_what_it_takes():
     assert not limited
     arguments = [limit.argument for limit in limited.limits]
     assert arguments == ["method", "neginf_picks", "digit_bits"]
+    assert supports("pallas", method="kernel", digit_bits=2, n_pos=2**20, k=512)
+    kernel = supports(
+        "pallas", masked=True, neginf_picks="keep", method="kernel", digit_bits=4, n_pos=2**20,
+        k=2**13,
+    )  # fmt: skip
+    assert [limit.argument for limit in kernel.limits] == ["neginf_picks", "n_pos, k"]
+    assert not supports("pallas", method="kernel", digit_bits=8)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU as jax's default backend")
 def test_the_benchmark_times_equal_picks_gpu():
-    """The benchmark's selection through the best blocks and its radix select give the sort's
-    picks on its own data (compiled on a GPU, at the pool's size), and their timings come
-    back."""
+    """The benchmark's selection through the best blocks, its radix select and the radix-select
+    kernel give the sort's picks on its own data (compiled on a GPU, at the pool's size), and
+    their timings come back."""
     from pallas_kernels.topk import bench
 
     result = bench.run(shapes={"pool_slots": (16_384, 512)}, digit_bits=(4,), iterations=2)
@@ -248,3 +304,21 @@ def test_the_benchmark_times_equal_picks_gpu():
     assert "median_ms" in entry["xla_sort"], entry
     assert entry["radix_4bit"]["equal_to_sort"], entry
     assert entry["blocks"]["equal_to_sort"], entry
+    assert entry["kernel_4bit"]["equal_to_sort"], entry
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("digit_bits", kernel_triton.DIGIT_BITS)
+def test_the_radix_select_kernel_compiled_equals_the_definition_gpu(digit_bits):
+    """The compiled kernel (Triton, on the GPU) against the definition on the same GPU: rows of
+    every kind, 203 scores (padded) and the pool's 16,384, both tie orders."""
+    rng = np.random.default_rng(digit_bits)
+    for n, k in ((203, 67), (16_384, 512)):
+        kinds = ["normal", "ties", "relu", "special"]
+        scores = np.concatenate([random_rows(rng, (2, n), kind) for kind in kinds])
+        for tie_order in scoring.TIE_ORDERS:
+            got = kernel_triton.select(
+                jnp.asarray(scores), k, tie_order=tie_order, digit_bits=digit_bits
+            )
+            assert_same_picks(got, definition(scores, k, tie_order=tie_order))

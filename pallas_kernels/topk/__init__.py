@@ -3,7 +3,8 @@ without its sort.
 
 `api.py` is the entry point (`implementation=`, `method=`, `supports`); `blocks.py` the
 selection through the best blocks and `radix.py` the radix select and compaction it runs for
-the kernel routes; `bench.py` times them against the sort on the GPU.
+the kernel routes; `kernel_triton.py` the radix select as one Pallas program per row; `bench.py`
+times them against the sort on the GPU.
 """
 
 from pallas_kernels.topk.api import supports, topk

@@ -6,15 +6,20 @@
 - 'xla': `v41jax.ops.scoring.topk`, the definition: XLA's sort-based `lax.top_k`, then the picks
   sorted by position.
 - 'pallas' / 'pallas_interpret': the same picks bit for bit (ties, −inf, NaN and ±0 included)
-  by one of two methods, both made of XLA ops, not Pallas kernels (they run the same on the GPU
-  and the CPU), standing in the kernel routes where their scores are selected (pooled scoring
-  with `topk`, the source scan's selections):
+  by one of three methods. The first two are made of XLA ops, not Pallas kernels (they run the
+  same on the GPU and the CPU), and stand in the kernel routes where their scores are selected
+  (pooled scoring with `topk`, the source scan's selections):
   - 'blocks' (default): `blocks.topk`, the sort of the definition run over the best blocks of 8
     by max only (recursively), a fraction of the scores;
   - 'radix': `radix.threshold_topk`, radix select and compaction, no sort. Measured on the H200
     (BENCHMARKS.md, 2026-12-02): as fast as the sort at 16,384 scores (a chain of small
     kernels), 1.5× faster at 131,072.
-  What they take: `supports` (not `neginf_picks='keep'` with a mask).
+  - 'kernel': `kernel_triton.select`, the radix select and its compaction in one Pallas
+    program per row (interpreted under 'pallas_interpret'), on the whole row where it has at
+    most `kernel_triton.MAX_N` scores, else as the leaves of the selection through the best
+    blocks. Checked on the CPU (interpreted); not yet compiled or timed on the H200.
+  What they take: `supports` (not `neginf_picks='keep'` with a mask; 'kernel': rows or k·8 of
+  at most `kernel_triton.MAX_N`).
 """
 
 from __future__ import annotations
@@ -23,11 +28,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from pallas_kernels import dispatch
-from pallas_kernels.topk import blocks, radix
+from pallas_kernels.topk import blocks, kernel_triton, radix
 from v41jax.ops import scoring
 from v41jax.ops.scoring import TopK
 
-METHODS = ("blocks", "radix")
+METHODS = ("blocks", "radix", "kernel")
 """The kernel implementations' selections (module docstring)."""
 
 
@@ -38,13 +43,38 @@ def supports(
     neginf_picks: str = "drop",
     method: str = "blocks",
     digit_bits: int = 4,
+    n_pos: int = 1,
+    k: int = 1,
 ) -> dispatch.Support:
-    """Whether `implementation` takes a top-k with (`masked`) or without a mask, under
-    `neginf_picks`, by `method`, deciding `digit_bits` bits per counting pass of 'radix' ('xla'
-    takes every call)."""
+    """Whether `implementation` takes a top-k of `k` from `n_pos` scores per row with
+    (`masked`) or without a mask, under `neginf_picks`, by `method`, deciding `digit_bits` bits
+    per counting pass of 'radix' and 'kernel' ('xla' takes every call)."""
     dispatch.check_implementation(implementation)
     if implementation == "xla":
         return dispatch.Support("xla")
+    if method == "kernel":
+        longest = kernel_triton.MAX_N
+        return dispatch.support(
+            "the top-k by 'kernel' (pallas_kernels.topk)",
+            (
+                not (masked and neginf_picks == "keep"),
+                "neginf_picks",
+                "'drop' with a mask (out-of-mask picks are the definition's: implementation='xla')",
+                neginf_picks,
+            ),
+            (
+                n_pos <= longest or 8 * k <= longest,
+                "n_pos, k",
+                f"rows of at most {longest} scores, or k of at most {longest // 8}",
+                (n_pos, k),
+            ),
+            (
+                digit_bits in kernel_triton.DIGIT_BITS,
+                "digit_bits",
+                f"one of {kernel_triton.DIGIT_BITS}",
+                digit_bits,
+            ),
+        )
     return dispatch.support(
         f"the top-k by {method!r} (pallas_kernels.topk)",
         (method in METHODS, "method", f"one of {METHODS}", method),
@@ -74,9 +104,10 @@ def topk(
     Args:
       scores, k, mask, tie_order, neginf_picks: as `ops.scoring.topk` (its checks and errors).
       implementation: 'xla' | 'pallas' | 'pallas_interpret' (module docstring).
-      method: the kernel implementations' selection, 'blocks' | 'radix' (module docstring).
-      digit_bits: key bits each counting pass of the radix select decides (`radix.DIGIT_BITS`;
-        fewer bits: more passes, fewer counts per pass).
+      method: the kernel implementations' selection, 'blocks' | 'radix' | 'kernel' (module
+        docstring).
+      digit_bits: key bits each counting pass of the radix select decides (`radix.DIGIT_BITS`,
+        `kernel_triton.DIGIT_BITS` for 'kernel'; fewer bits: more passes, fewer counts each).
 
     Returns:
       `TopK(indices [..., k] int32 ascending then −1, scores [..., k] float32)`, equal to the
@@ -94,6 +125,8 @@ def topk(
         neginf_picks=neginf_picks,
         method=method,
         digit_bits=digit_bits,
+        n_pos=scores.shape[-1],
+        k=k,
     )
     if not supported:
         raise supported.error()
@@ -103,6 +136,14 @@ def topk(
     n_picks = min(k, n_pos)
     if method == "radix":
         picks = radix.threshold_topk(scores, n_picks, tie_order=tie_order, digit_bits=digit_bits)
+    elif method == "kernel":
+        picks = _kernel_topk(
+            scores,
+            n_picks,
+            tie_order=tie_order,
+            digit_bits=digit_bits,
+            interpret=dispatch.interpret(implementation),
+        )
     else:
         picks = blocks.topk(scores, n_picks, tie_order=tie_order, leaf=scoring.topk)
     pad = [(0, 0)] * (scores.ndim - 1) + [(0, k - n_picks)]
@@ -110,3 +151,19 @@ def topk(
         jnp.pad(picks.indices, pad, constant_values=-1),
         jnp.pad(picks.scores, pad, constant_values=-jnp.inf),
     )
+
+
+def _kernel_topk(scores, k: int, *, tie_order: str, digit_bits: int, interpret: bool) -> TopK:
+    """'kernel': `kernel_triton.select` on the whole row, or on the leaves of the selection
+    through the best blocks where the row is longer than the kernel holds."""
+
+    def leaf(scores, k, *, tie_order):
+        if k == 0:
+            return scoring.topk(scores, 0, tie_order=tie_order)  # nothing to select
+        return kernel_triton.select(
+            scores, k, tie_order=tie_order, digit_bits=digit_bits, interpret=interpret
+        )
+
+    if scores.shape[-1] <= kernel_triton.MAX_N:
+        return leaf(scores, k, tie_order=tie_order)
+    return blocks.topk(scores, k, tie_order=tie_order, leaf=leaf)

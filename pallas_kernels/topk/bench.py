@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 -m pallas_kernels.topk.bench --out topk.json   # also prints it
 
 `run(...)` times `pallas_kernels.topk.topk` with the definition's sort ('xla': `lax.top_k`, then
-the picks sorted by position), with the sort through the best blocks ('pallas', `blocks`) and
-with the radix select ('pallas', one entry per pass width),
+the picks sorted by position), with the sort through the best blocks ('pallas', `blocks`), with
+the radix select ('pallas', one entry per pass width) and with the radix-select kernel
+('pallas', `kernel`, one entry per pass width it takes: `kernel_triton.DIGIT_BITS`),
 with the project's device timer (`pallas_kernels.timing.measure`: CUPTI, warm-up, medians) on
 several fresh random data sets, at the three selections of a V4.1 decode step at 1 M tokens,
 batch 64:
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import timing
-from pallas_kernels.topk import api
+from pallas_kernels.topk import api, kernel_triton
 
 SHAPES = {
     "pool_slots": (16_384, 512),
@@ -57,9 +58,10 @@ def run(
     iterations: int = 10,
     n_datasets: int = 2,
     progress: Callable[[dict], None] | None = None,
+    implementation: str = "pallas",
 ) -> dict:
-    """Times the sort, the selection through the best blocks and the radix select (each of
-    `digit_bits`) at each of `shapes`.
+    """Times the sort, the selection through the best blocks, the radix select and the
+    radix-select kernel (each of `digit_bits` they take) at each of `shapes`.
 
     Args:
       shapes: name → (scores per query, k).
@@ -68,6 +70,8 @@ def run(
       iterations: timed runs per data set (after one warm-up).
       n_datasets: fresh random data sets per shape.
       progress: called with the partial result after every timing (e.g. to save it).
+      implementation: the methods' implementation ('pallas_interpret' runs the kernel in the
+        Pallas interpreter: a CPU check of this script, not a timing).
     """
     out = {
         "device": jax.devices()[0].device_kind,
@@ -95,8 +99,15 @@ def run(
         methods = [("blocks", {"method": "blocks"})] + [
             (f"radix_{bits}bit", {"method": "radix", "digit_bits": bits}) for bits in digit_bits
         ]
+        methods += [
+            (f"kernel_{bits}bit", {"method": "kernel", "digit_bits": bits})
+            for bits in digit_bits
+            if bits in kernel_triton.DIGIT_BITS
+        ]
         for label, method in methods:
-            select = jax.jit(functools.partial(api.topk, k=k, implementation="pallas", **method))
+            select = jax.jit(
+                functools.partial(api.topk, k=k, implementation=implementation, **method)
+            )
             timing.record(entry, label, select, datasets, iterations)
             if "median_ms" in entry[label]:
                 got = select(*datasets[-1])

@@ -1,0 +1,165 @@
+"""The radix select and its compaction as one program per row: a Pallas Triton kernel, the
+stepping stone towards a fused selection (issue 16 item 2; DESIGN §1: Triton as a baseline).
+
+Why a kernel: `radix.threshold_topk` is the right algorithm in the wrong form. On the H200
+(`results/bench_topk_h200_2026-12-03.json`, its per-kernel profile) each of its counting
+passes is a separate XLA fusion of about 5 µs that reads the row from memory again, and the
+compaction (a cumulative sum, then a binary search per output) is another ~40 µs of small
+kernels: 134 µs at 16,384 scores × 64 rows, no faster than the sort. Here one program holds
+its row in registers from the first pass to the last store, so the passes cost compares and
+block reductions, not launches and memory round trips.
+
+What a program does, for its row (the same steps as `radix`, whose docstring argues them):
+1. Load the row's scores ([n_pad] float32, n_pad a power of two: the rows are padded with
+   −inf by the caller), NaN → −inf and −0.0 → +0.0, and form signed order keys (float bits,
+   the magnitude bits flipped for negatives: a signed compare of keys orders as the floats).
+2. Find the k-th largest key t digit by digit from the top (`radix._digits`), comparing in
+   the unsigned space that `radix` searches (a key's top bit flipped), then among the keys
+   equal to t the tie rank that keeps exactly k − #{> t} of them (rank n_pad − 1 − position
+   under 'oldest', position under 'newest').
+3. Compact by a stable partition of the row: a pick's output slot is the number of picks
+   before it (an exclusive cumulative sum), every other position goes after the picks in
+   position order as −1 and −inf. Each of the n_pad slots is written by exactly one lane, so
+   the scatter needs no mask and no ordering (a masked scatter with the masked lanes on one
+   slot is a race in the Pallas interpreter); the caller keeps the first k. It writes the
+   row (8 bytes per score) where k slots would do: 8 MB at 16,384 scores × 64 rows, a few µs
+   of bandwidth.
+
+`supports` says what it takes; `pallas_kernels.topk.api` (method 'kernel') calls it for rows of
+at most `MAX_N` scores, and through `blocks.topk` (its leaves) for longer ones.
+`tests/test_topk_select.py` checks it, interpreted, against `scoring.topk` bit for bit; its
+speed on the H200 is `pallas_kernels.topk.bench`'s `kernel` entry.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.triton as plt
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float
+
+from pallas_kernels.dispatch import Support, support
+from pallas_kernels.topk import radix
+from v41jax.ops.scoring import TIE_ORDERS, TopK
+
+MAX_N = 32_768
+"""The longest row a program holds in registers (32 warps × 32 threads × 32 scores)."""
+
+DIGIT_BITS = (1, 2, 4)
+"""Key bits a counting pass decides (2^bits − 1 independent counts per pass)."""
+
+_SIGN = np.int32(np.iinfo(np.int32).min)  # the top bit, as an int32
+
+
+def _i32(value: int) -> np.int32:
+    """`value` mod 2^32 as an int32 bit pattern."""
+    return np.uint32(value % 2**32).view(np.int32)
+
+
+def supports(n: int, k: int, *, tie_order: str = "oldest", digit_bits: int = 2) -> Support:
+    """Whether one program per row selects k of n scores under `tie_order` by `digit_bits`."""
+    return support(
+        "the radix-select kernel (pallas_kernels.topk.kernel_triton)",
+        (1 <= n <= MAX_N, "n", f"1 ≤ scores per row ≤ {MAX_N}", n),
+        (1 <= k <= n, "k", f"1 ≤ k ≤ the row's {n} scores", k),
+        (tie_order in TIE_ORDERS, "tie_order", f"one of {TIE_ORDERS}", tie_order),
+        (digit_bits in DIGIT_BITS, "digit_bits", f"one of {DIGIT_BITS}", digit_bits),
+    )
+
+
+def num_warps(n_pad: int) -> int:
+    """Warps per program: about 32 scores per thread, 4 to 32 warps."""
+    return int(min(32, max(4, n_pad // 1024)))
+
+
+def _search(values, eligible, need, n_bits: int, digit_bits: int, flip):
+    """The largest t < 2^n_bits (unsigned) with #{eligible values ≥ t} ≥ need, where a value v
+    compares as `v ≥ t ^ flip` (flip = the top bit for the keys, so the unsigned search runs on
+    signed keys; 0 for the nonnegative ranks). Returns t as an int32 bit pattern."""
+    t = jnp.int32(0)
+    for shift, width in radix._digits(n_bits, digit_bits):
+        best = jnp.int32(0)
+        for digit in range(1, 2**width):
+            candidate = (t | _i32(digit << shift)) ^ flip
+            above = eligible & (values >= candidate)
+            count = jnp.sum(jnp.where(above, 1, 0).astype(jnp.int32))
+            # Counts fall as the digit grows: the digits that reach `need` are 1 … best.
+            best = best + jnp.where(count >= need, 1, 0).astype(jnp.int32)
+        t = t | lax.shift_left(best, jnp.int32(shift))
+    return t
+
+
+def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_bits):
+    x = scores_ref[...]
+    x = jnp.where(x != x, -jnp.inf, x)  # NaN
+    x = jnp.where(x == 0, jnp.float32(0), x)  # −0.0
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    keys = jnp.where(bits < 0, bits ^ np.int32(0x7FFFFFFF), bits)
+    everything = keys == keys
+    t = _search(keys, everything, jnp.int32(k), 32, digit_bits, _SIGN) ^ _SIGN
+    above = keys > t
+    ties = keys == t
+    position = lax.broadcasted_iota(jnp.int32, (n_pad,), 0)
+    rank = (n_pad - 1 - position) if tie_order == "oldest" else position
+    left = k - jnp.sum(jnp.where(above, 1, 0).astype(jnp.int32))
+    rank_bits = max(1, (n_pad - 1).bit_length())
+    r = _search(rank, ties, left, rank_bits, digit_bits, np.int32(0))
+    picked = (above | (ties & (rank >= r))) & (x > -jnp.inf)
+    # A stable partition of the row: the picks to slots 0 … total − 1 in position order, every
+    # other position after them, each slot written once (no masks, no two lanes on one slot).
+    ones = jnp.where(picked, 1, 0).astype(jnp.int32)
+    before = jnp.cumsum(ones) - ones  # picks before each position
+    total = jnp.sum(ones)
+    slot = jnp.where(picked, before, total + position - before)
+    plt.store(indices_ref.at[slot], jnp.where(picked, position, -1))
+    plt.store(values_ref.at[slot], jnp.where(picked, x, -jnp.inf))
+
+
+@functools.partial(jax.jit, static_argnames=("k", "tie_order", "digit_bits", "interpret"))
+def select(
+    scores: Float[Array, "*batch n"],
+    k: int,
+    *,
+    tie_order: str = "oldest",
+    digit_bits: int = 2,
+    interpret: bool = False,
+) -> TopK:
+    """`scoring.topk(scores, k, tie_order=tie_order)` (no mask, −inf picks dropped) bit for
+    bit, one program per row (module docstring); what it takes: `supports`.
+
+    Returns `TopK(indices [..., k] ascending then −1, scores [..., k] float32, −inf at −1)`.
+    """
+    *batch, n = scores.shape
+    supported = supports(n, k, tie_order=tie_order, digit_bits=digit_bits)
+    if not supported:
+        raise supported.error()
+    rows = int(np.prod(batch, dtype=np.int64))
+    if rows == 0:  # no program to run (a grid of 0 is not a call)
+        return TopK(jnp.zeros((*batch, k), jnp.int32), jnp.zeros((*batch, k), jnp.float32))
+    n_pad = pl.next_power_of_2(n)
+    flat = scores.astype(jnp.float32).reshape(rows, n)
+    if n_pad != n:
+        flat = jnp.pad(flat, ((0, 0), (0, n_pad - n)), constant_values=-jnp.inf)
+    kernel = functools.partial(
+        _kernel, k=k, n_pad=n_pad, tie_order=tie_order, digit_bits=digit_bits
+    )
+    row = lambda i: (i, 0)
+    indices, values = pl.pallas_call(
+        kernel,
+        grid=(rows,),
+        in_specs=[pl.BlockSpec((None, n_pad), row)],
+        out_specs=[pl.BlockSpec((None, n_pad), row), pl.BlockSpec((None, n_pad), row)],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, n_pad), jnp.int32),
+            jax.ShapeDtypeStruct((rows, n_pad), jnp.float32),
+        ],
+        compiler_params=plt.CompilerParams(num_warps=num_warps(n_pad), num_stages=1),
+        interpret=interpret,
+        name="topk_radix_select",
+    )(flat)
+    return TopK(indices[:, :k].reshape(*batch, k), values[:, :k].reshape(*batch, k))
