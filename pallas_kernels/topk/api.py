@@ -52,16 +52,17 @@ def supports(
     dispatch.check_implementation(implementation)
     if implementation == "xla":
         return dispatch.Support("xla")
+    neginf = (
+        not (masked and neginf_picks == "keep"),
+        "neginf_picks",
+        "'drop' with a mask (out-of-mask picks are the definition's: implementation='xla')",
+        neginf_picks,
+    )
     if method == "kernel":
         longest = kernel_triton.MAX_N
         return dispatch.support(
             "the top-k by 'kernel' (pallas_kernels.topk)",
-            (
-                not (masked and neginf_picks == "keep"),
-                "neginf_picks",
-                "'drop' with a mask (out-of-mask picks are the definition's: implementation='xla')",
-                neginf_picks,
-            ),
+            neginf,
             (
                 n_pos <= longest or 8 * k <= longest,
                 "n_pos, k",
@@ -78,12 +79,7 @@ def supports(
     return dispatch.support(
         f"the top-k by {method!r} (pallas_kernels.topk)",
         (method in METHODS, "method", f"one of {METHODS}", method),
-        (
-            not (masked and neginf_picks == "keep"),
-            "neginf_picks",
-            "'drop' with a mask (out-of-mask picks are the definition's: implementation='xla')",
-            neginf_picks,
-        ),
+        neginf,
         (digit_bits in radix.DIGIT_BITS, "digit_bits", f"one of {radix.DIGIT_BITS}", digit_bits),
     )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from v41jax.ops import pool
+from v41jax.ops import pool, scoring
 from v41jax.ops.scoring import TopK
 
 BLOCK = 8
@@ -48,8 +48,7 @@ def topk(
         return leaf(scores, k, tie_order=tie_order)
     # NaN counts as −inf and −0.0 as +0.0, as in `scoring.topk`: the block maxima rank blocks by
     # the same scores the leaf ranks positions by.
-    scores = scores.astype(jnp.float32)
-    scores = jnp.where(jnp.isnan(scores), -jnp.inf, jnp.where(scores == 0, 0.0, scores))
+    scores = scoring.ranking_scores(scores)
     pad = [(0, 0)] * (scores.ndim - 1) + [(0, n_blocks * block - n)]
     padded = jnp.pad(scores, pad, constant_values=-jnp.inf)
     block_max = jnp.max(padded.reshape(*scores.shape[:-1], n_blocks, block), axis=-1)

@@ -45,6 +45,7 @@ from jaxtyping import Array, Float
 
 from pallas_kernels.dispatch import Support, support
 from pallas_kernels.topk import radix
+from v41jax.ops import scoring
 from v41jax.ops.scoring import TIE_ORDERS, TopK
 
 MAX_N = 32_768
@@ -95,9 +96,7 @@ def _search(values, eligible, need, n_bits: int, digit_bits: int, flip):
 
 
 def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_bits):
-    x = scores_ref[...]
-    x = jnp.where(x != x, -jnp.inf, x)  # NaN
-    x = jnp.where(x == 0, jnp.float32(0), x)  # −0.0
+    x = scoring.ranking_scores(scores_ref[...])
     bits = lax.bitcast_convert_type(x, jnp.int32)
     keys = jnp.where(bits < 0, bits ^ np.int32(0x7FFFFFFF), bits)
     everything = keys == keys

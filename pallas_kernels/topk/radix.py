@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
+from v41jax.ops import scoring
 from v41jax.ops.scoring import TopK
 
 DIGIT_BITS = (1, 2, 3, 4, 5, 6, 8)
@@ -99,8 +100,7 @@ def threshold_topk(
 
     Returns `TopK(indices [..., k] ascending then −1, scores [..., k] float32, −inf at −1)`.
     """
-    scores = scores.astype(jnp.float32)
-    scores = jnp.where(jnp.isnan(scores), -jnp.inf, jnp.where(scores == 0, 0.0, scores))
+    scores = scoring.ranking_scores(scores)
     batch, n = scores.shape[:-1], scores.shape[-1]
     if k == 0 or n == 0:
         empty = jnp.zeros((*batch, k), jnp.int32)

@@ -282,6 +282,14 @@ def fill_picks(picks: TopK, extra: Int[Array, "*batch n"], k: int) -> TopK:
     )
 
 
+def ranking_scores(scores: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """The scores as `topk` ranks them: float32, NaN as −inf, −0.0 as +0.0. The two zeros are
+    equal scores and must tie (`lax.top_k` orders −0.0 below +0.0; a sum of zero terms has
+    either sign depending on the summation, e.g. prefill against decode)."""
+    scores = scores.astype(jnp.float32)
+    return jnp.where(jnp.isnan(scores), -jnp.inf, jnp.where(scores == 0, 0.0, scores))
+
+
 def check_topk_args(
     scores: Float[ArrayLike, "*batch n_pos"],
     k: int,
@@ -358,10 +366,7 @@ def topk(
     scores, k, mask, tie_order, neginf_picks = check_topk_args(
         scores, k, mask, tie_order, neginf_picks
     )
-    scores = scores.astype(jnp.float32)
-    # −0.0 and +0.0 are equal scores and must tie (`lax.top_k` orders −0.0 below +0.0; a sum of
-    # zero terms has either sign depending on the summation, e.g. prefill against decode).
-    scores = jnp.where(jnp.isnan(scores), -jnp.inf, jnp.where(scores == 0, 0.0, scores))
+    scores = ranking_scores(scores)
     reachable = scores > -jnp.inf
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
