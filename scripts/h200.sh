@@ -33,7 +33,18 @@ if [[ $stage == kernels_quick ]]; then
   # newest first: the top-k's GPU tests (the radix-select kernel compiled against the
   # definition), the top-k benchmark at the pool's and the block scores' sizes, then the GPU
   # tests of the kernel routes. Each part has its own time cap (a guard: what finished is in
-  # $OUT; `pytest -v` names the tests that passed before a cut).
+  # $OUT; `pytest -v` names the tests that passed before a cut). A study plan still running
+  # from studies_start would share the GPU with the benchmark (2026-12-03 run 3): it is stopped
+  # first, and resumes from its run directories on this machine's next studies call.
+  # (SIGTERM: a background job of a script starts with SIGINT ignored.)
+  alive() { [[ -r /proc/$1/status ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status"; }
+  plan=$(cat runs/studies_out/pid 2>/dev/null)
+  if [[ -n $plan ]] && alive "$plan"; then
+    echo "kernels_quick: stopping the study plan (pid $plan) first, so that it leaves the GPU"
+    kill -TERM -- "-$plan" 2>/dev/null || kill -TERM "$plan"
+    for ((t = 0; t < 30; t++)); do alive "$plan" || break; sleep 1; done
+    alive "$plan" && kill -KILL -- "-$plan" 2>/dev/null
+  fi
   timeout -s INT 100 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_topk_select.py \
     2>&1 | tee "$OUT/gpu_tests_topk.log" || status=1
   timeout -s INT 70 "$PY" -m pallas_kernels.topk.bench --iterations 5 --datasets 1 \

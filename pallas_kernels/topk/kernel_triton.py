@@ -89,8 +89,9 @@ def _search(values, eligible, need, n_bits: int, digit_bits: int, flip):
             candidate = (t | _i32(digit << shift)) ^ flip
             above = eligible & (values >= candidate)
             count = jnp.sum(jnp.where(above, 1, 0).astype(jnp.int32))
-            # Counts fall as the digit grows: the digits that reach `need` are 1 … best.
-            best = best + jnp.where(count >= need, 1, 0).astype(jnp.int32)
+            # Counts fall as the digit grows: the digits that reach `need` are 1 … best. (A
+            # select: Pallas's Triton lowering cannot add a boolean cast to int32, 2026-12-03.)
+            best = jnp.where(count >= need, best + 1, best)
         t = t | lax.shift_left(best, jnp.int32(shift))
     return t
 

@@ -1,0 +1,155 @@
+"""Every Pallas GPU kernel lowers for the H200 on this CPU (`pallas_kernels.lowering`).
+
+The CPU tests run the kernels interpreted, which checks what they compute but not that their
+backend can express them: the radix-select kernel passed every interpreted test and then failed
+its first H200 run in the Triton lowering (2026-12-03, `results/gpu_tests_topk_h200_2026-12-03_
+run3.log`: an int32 add of a boolean). Lowering for CUDA needs no GPU, so these tests run that
+step in CI at the GPU tests' shapes, for every kernel and every route into one. They check no
+numbers (the GPU tests do, `-m gpu`) and not the Triton/ptxas compiles that follow on a GPU.
+"""
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from pallas_kernels import lowering
+from pallas_kernels.pooled_scoring.api import pooled_scores
+from pallas_kernels.source_scan.api import candidate_source
+from pallas_kernels.sparse_attention import api as attention_api
+from pallas_kernels.topk import api as topk_api
+from pallas_kernels.topk import kernel_triton
+from v41jax.nn import config, model
+from v41jax.nn.cache import init_cache
+from v41jax.ops import formats
+from v41jax.ops.scoring import TIE_ORDERS
+
+f32, i32 = jnp.float32, jnp.int32
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def packed(batch, n, dim, fmt):
+    return spec((batch, n, formats.packed_row_bytes(fmt, dim)), jnp.uint8)
+
+
+def lowers_to(fn, *args, triton=0, mosaic_gpu=0):
+    """`fn(*args)` lowers for the H200 and holds this many calls of each GPU backend."""
+    calls = lowering.custom_calls(lowering.lower_for_gpu(fn, *args))
+    assert calls == {"triton": triton, "mosaic_gpu": mosaic_gpu}, calls
+
+
+def test_a_kernel_its_backend_cannot_express_fails_here():
+    """The check can fail: a Triton kernel that adds a boolean to an int32 (the radix-select
+    kernel's first form) raises in the lowering, as it did on the H200."""
+
+    def kernel(x_ref, o_ref):
+        count = jnp.sum(x_ref[...])
+        o_ref[...] = jnp.broadcast_to(count + jnp.where(count >= 3, 1, 0).astype(i32), (16,))
+
+    def call(x):  # no compiler_params: pallas_call's default GPU backend, Triton
+        return pl.pallas_call(kernel, out_shape=spec((16,), i32))(x)
+
+    with pytest.raises(AssertionError, match="i32"):
+        lowering.lower_for_gpu(call, spec((16,), i32))
+
+
+@pytest.mark.parametrize("digit_bits", kernel_triton.DIGIT_BITS)
+def test_the_radix_select_kernel_lowers(digit_bits):
+    """At a padded row, the pool's 16,384 slots and the longest row a program holds."""
+    for n, k in ((203, 67), (16_384, 512), (kernel_triton.MAX_N, 2048)):
+        for tie_order in TIE_ORDERS:
+            select = functools.partial(
+                kernel_triton.select, k=k, tie_order=tie_order, digit_bits=digit_bits
+            )
+            lowers_to(select, spec((4, n), f32), triton=1)
+
+
+def test_the_kernel_top_k_lowers_beyond_one_program():
+    """131,072 block scores (1 M positions): `blocks.topk` with the kernel at its leaves."""
+    select = functools.partial(
+        topk_api.topk, k=2048, implementation="pallas", method="kernel", digit_bits=4
+    )
+    calls = lowering.custom_calls(lowering.lower_for_gpu(select, spec((2, 131_072), f32)))
+    assert calls["triton"] >= 1 and calls["mosaic_gpu"] == 0, calls
+
+
+def test_pooled_scoring_lowers():
+    """The Mosaic GPU scoring kernel at the GPU tests' pool (2,048 blocks, 32 heads), then its
+    top-512 (`topk.api`'s default method)."""
+    batch, n_pos, heads, dim, n_blocks = 2, 65_536, 32, 128, 2048
+    score = functools.partial(pooled_scores, implementation="pallas", topk=512)
+    args = (
+        packed(batch, n_pos, dim, "mxfp4"),
+        spec((batch, heads, dim), f32),
+        spec((batch, heads), f32),
+        spec((batch, n_blocks), i32),
+        spec((batch,), i32),
+    )
+    lowers_to(score, *args, mosaic_gpu=1)
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean", "top2"])
+def test_the_candidate_source_lowers(reduce):
+    """The source scan's kernel routes: block maxima for 'max', scores then blocks otherwise."""
+    batch, n_pos, heads, dim = 2, 16_384 - 3, 32, 128
+    scan = functools.partial(
+        candidate_source, topk_blocks=256, index_topk=512, reduce=reduce, implementation="pallas"
+    )
+    args = (
+        packed(batch, n_pos, dim, "mxfp4"),
+        spec((batch, heads, dim), f32),
+        spec((batch, heads), f32),
+        spec((batch,), i32),
+    )
+    calls = lowering.custom_calls(lowering.lower_for_gpu(scan, *args))
+    assert calls["mosaic_gpu"] >= 1, calls
+
+
+@pytest.mark.parametrize("backend", attention_api.BACKENDS)
+@pytest.mark.parametrize("heads", [64, 128, 3])
+def test_fp4_sparse_attention_lowers(backend, heads):
+    """V4.1's 512-dim NVFP4 rows and FP8 window, top-512, at the GPU tests' head counts."""
+    batch, dim, n_kv, topk, window = 2, 512, 4096, 512, 128
+    attend = functools.partial(
+        attention_api.fp4_sparse_attention,
+        implementation="pallas",
+        config=attention_api.Config(backend=backend),
+    )
+    args = (
+        spec((batch, heads, dim), jnp.bfloat16),
+        packed(batch, n_kv, dim, "nvfp4"),
+        spec((batch, topk), i32),
+        packed(batch, window, dim, "fp8"),
+        spec((batch, window), jnp.bool_),
+        spec((heads,), f32),
+    )
+    calls = lowering.custom_calls(lowering.lower_for_gpu(attend, *args))
+    kernel = "mosaic_gpu" if backend == "mgpu" else "triton"
+    assert calls[kernel] >= 1, calls
+
+
+def test_the_kernel_decode_step_lowers():
+    """`model.decode_step(implementation='pallas')` whole, at the decode bench's config
+    (`small_kernels()` with V4.1's pool of 2,048 blocks and top-512) and a 64 K-token cache:
+    every layer with main KV attends through a Mosaic GPU kernel, and the indexer layers add
+    their scoring calls."""
+    cfg = config.small_kernels().replace(candidate_topk_blocks=2048, index_topk=512)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model.Model(cfg, rngs=nnx.Rngs(0))))
+    batch = 4
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, 65_536))
+
+    def step(state, tokens, cache):
+        m = nnx.merge(graphdef, state)
+        logits, cache, _ = model.decode_step(m, tokens, cache, implementation="pallas")
+        return logits, cache
+
+    lowered = lowering.lower_for_gpu(step, state, spec((batch,), i32), cache)
+    calls = lowering.custom_calls(lowered)
+    attending = sum(layer.main_kv is not None for layer in cache.layers)
+    assert calls["mosaic_gpu"] > attending > 0, (calls, attending)
