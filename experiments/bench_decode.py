@@ -188,11 +188,16 @@ def run_context(model, config, *, context: int, batch: int, steps: int, iteratio
     entry = {"context": context, "batch": batch, "counts": _layer_counts(config)}
     graphdef, state = nnx.split(model)
     tokens = jnp.arange(batch, dtype=jnp.int32) % config.vocab_size
+
+    def filled_cache():
+        return jax.block_until_ready(
+            random_cache(config, batch, context, steps + 1, jax.random.key(context))
+        )
+
     for impl in implementations:
         out = entry.setdefault(impl, {})
         try:
-            cache = random_cache(config, batch, context, steps + 1, jax.random.key(context))
-            jax.block_until_ready(cache)
+            cache = filled_cache()
         except Exception as e:  # recorded in the JSON
             out["error"] = repr(e)
             continue
@@ -216,6 +221,8 @@ def run_context(model, config, *, context: int, batch: int, steps: int, iteratio
             except Exception as e:  # recorded in the JSON
                 out["step"] = {"error": repr(e)}
         progress()
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(cache)):  # donated to a failed step
+            cache = filled_cache()
         tables = _op_tables(config, cache)
         datasets = [(tables, *_op_inputs(jax.random.key(100 + i), config, batch)) for i in range(2)]
         for name, fn in _ops(config, impl).items():

@@ -314,11 +314,19 @@ def main() -> None:
     parser.add_argument(
         "--topk", action="store_true", help="the paths are pallas_kernels.topk.bench runs"
     )
+    parser.add_argument(
+        "--source-scan",
+        action="store_true",
+        help="the paths are pallas_kernels.source_scan.bench runs",
+    )
     args = parser.parse_args()
     reports = [json.loads(p.read_text()) for p in args.paths]
     if args.topk:
         for report in reports:
             print(topk(report))
+    elif args.source_scan:
+        for report in reports:
+            print(source_scan(report))
     elif args.decode:
         for report in reports:
             print(decode(report))

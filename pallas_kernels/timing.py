@@ -71,22 +71,38 @@ def _summary(calls: list[list[tuple[str, float]]]) -> dict:
 def measure_chain(step: Callable, state, steps: int, warmup: int = 1) -> tuple[dict, object]:
     """Device time of `steps` chained calls `state = step(state)`, each timed on its own, after
     `warmup` untimed ones (compilation): for a step that donates its input, such as a decode
-    step writing its cache in place, which `measure` cannot call twice on the same arguments.
+    step writing its cache in place. Each state goes to `step` exactly once: `measure` (and
+    `profiler.measure` under it) calls a function twice on the same arguments, a warm-up and the
+    timed call, and the second call of a donating step finds its input deleted (the decode
+    bench's first H200 run, 2026-12-04).
 
     Returns (timing with `measure`'s keys, without 'mosaic_kernel_ms' unless a Mosaic GPU kernel
     ran, the state after the last step).
     """
-    from jax.experimental.mosaic.gpu import profiler  # needs the CUDA build of jaxlib
-
     for _ in range(warmup):
         state = jax.block_until_ready(step(state))
     calls = []
     for _ in range(steps):
-        state, kernels = profiler.measure(step, iterations=1, aggregate=False)(state)
-        if kernels is None:
+        state, kernels = time_one_call(step, state)
+        if not kernels:
             raise RuntimeError("measure_chain: the step launched no GPU kernel")
         calls.append(kernels)
     return _summary(calls), state
+
+
+def time_one_call(fn: Callable, *args) -> tuple[object, list[tuple[str, float]]]:
+    """(`fn(*args)`, the (kernel name, ms) of every kernel that one call launched), by CUPTI,
+    with no warm-up call: `profiler.measure` without its warm-up, through the same extension
+    (jax 0.11.2's `_cupti_init` / `_cupti_get_timings`, the pinned version's private API)."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # the CUDA build of jaxlib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        out = jax.block_until_ready(fn(*args))
+    finally:
+        kernels = ext._cupti_get_timings(True)
+    return out, list(kernels or [])
 
 
 def record(

@@ -11,7 +11,7 @@ from flax import nnx
 from pallas_kernels import pooled_scoring, sparse_attention
 from v41jax import accounting
 from v41jax.nn import config, model
-from v41jax.nn.cache import global_kv_bytes_per_token, init_cache, window_slot_valid
+from v41jax.nn.cache import global_kv_bytes_per_token, init_cache, table_rows, window_slot_valid
 from v41jax.nn.config import Role
 from v41jax.ops import formats
 
@@ -195,6 +195,20 @@ def test_cache_holds_packed_rows_of_the_configured_formats(tiny_model):
             )
         else:
             assert layer.main_kv is None and layer.index_k is None
+
+
+def test_compressed_tables_are_whole_tiles_that_the_kernels_read_in_place(tiny_model):
+    multiple = pooled_scoring.IN_PLACE_ROWS
+    for max_len in (1, 7, 8, 33, 64, 65_545):
+        for r in (1, 2, 4, 128):
+            rows, entries = table_rows(max_len, r), -(-max_len // r)
+            assert rows % multiple == 0 and entries <= rows < entries + multiple, (max_len, r)
+    cfg = tiny_model.config
+    cache = init_cache(cfg, batch=1, max_len=75)
+    for plan, layer in zip(cfg.layers, cache.layers, strict=True):
+        if plan.role is Role.FULL:
+            rows = table_rows(75, plan.compress_ratio)
+            assert layer.main_kv.shape[1] == layer.index_k.shape[1] == rows
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])

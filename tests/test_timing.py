@@ -31,3 +31,27 @@ def test_a_failed_timing_is_recorded_not_raised():
     entry = {}
     timing.record(entry, "op", lambda x: x + 1, [(jax.numpy.ones(4),)], 2)
     assert set(entry["op"]) == {"error", "trace"}
+
+
+def _donating_step():
+    """A step that donates its state, as `decode_step(donate_cache=True)` does: a second call on
+    the same input finds it deleted (on the CPU as on the GPU)."""
+    return jax.jit(lambda state: state + 1.0, donate_argnums=0)
+
+
+def test_the_chain_hands_each_state_to_the_step_once(monkeypatch):
+    def one_call(fn, *args):  # the CUPTI timer's stand-in: one call, one fake kernel
+        return jax.block_until_ready(fn(*args)), [("fusion", 1.0)]
+
+    monkeypatch.setattr(timing, "time_one_call", one_call)
+    got, state = timing.measure_chain(_donating_step(), jax.numpy.zeros(4), steps=3, warmup=2)
+    assert got["runs"] == 3 and got["times_ms"] == [1.0, 1.0, 1.0]
+    assert state.tolist() == [5.0] * 4  # 2 warm-up steps + 3 timed, each once
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU as jax's default backend")
+def test_the_chain_times_a_donating_step_gpu():
+    got, state = timing.measure_chain(_donating_step(), jax.numpy.zeros(1 << 20), steps=3)
+    assert got["runs"] == 3 and all(ms > 0 for ms in got["times_ms"])
+    assert float(state[0]) == 4.0

@@ -6,6 +6,6 @@ gradient, `bench.py` times them on the GPU.
 """
 
 from pallas_kernels.pooled_scoring.api import pooled_scores, supports
-from pallas_kernels.pooled_scoring.kernel_mgpu import TuningConfig
+from pallas_kernels.pooled_scoring.kernel_mgpu import IN_PLACE_ROWS, TuningConfig
 
-__all__ = ["TuningConfig", "pooled_scores", "supports"]
+__all__ = ["IN_PLACE_ROWS", "TuningConfig", "pooled_scores", "supports"]

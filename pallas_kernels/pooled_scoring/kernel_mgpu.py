@@ -68,6 +68,10 @@ TILE_BLOCKS = 8  # blocks per tile: 64 rows = wgmma's M
 TILE_ROWS = TILE_BLOCKS * BLOCK_SIZE
 HEAD_ALIGN = 32  # heads are padded to this (wgmma N % 8, and 128-byte copies of w)
 MAX_HEADS = 256  # wgmma's N and a TMA box dimension
+# A packed cache of a multiple of this many rows is read where it lies, by whole tiles: any other
+# length is first copied into whole blocks of 8 (`packed_words`: the whole cache, at every call),
+# and whole-tile copies need a whole number of 128-byte lines (blocks % 4 = 0).
+IN_PLACE_ROWS = 4 * BLOCK_SIZE
 # The two copies of one block: words [0, 128) and [104, 136) (multiples of 128 bytes each).
 _COPIES = ((0, 128), (BLOCK_WORDS - 32, 32))
 # A tile of 8 consecutive blocks is 4,352 bytes = 34 lines of 128 bytes (32 words); 4 blocks
@@ -134,7 +138,8 @@ def packed_words(k_packed: UInt8[Array, "batch seq 68"]) -> UInt32[Array, "batch
     """The packed rows as little-endian 32-bit words grouped by block: [B, ceil(S/8), 136].
 
     A cache length that is not a multiple of 8 is padded with zero rows (this copies the cache;
-    allocate caches in whole blocks to avoid it). The positions added are ≥ S, hence masked.
+    allocate caches in multiples of `IN_PLACE_ROWS` rows to avoid it, as `v41jax.nn.cache`
+    does). The positions added are ≥ S, hence masked.
     """
     batch, n_pos, _ = k_packed.shape
     n_blocks = -(-n_pos // BLOCK_SIZE)
@@ -544,7 +549,7 @@ def _pooled(
 
     num_stages = min(config.num_stages, tiles_per_cta)
     # Whole-tile copies need the cache as 128-byte lines: a whole number of them (blocks % 4 = 0).
-    tile_copies = config.tile_copies and k_words.shape[1] % 4 == 0
+    tile_copies = config.tile_copies and k_words.shape[1] % (IN_PLACE_ROWS // BLOCK_SIZE) == 0
     swizzle = 128
     q_transforms = (
         plgpu.TilingTransform((8, swizzle // 2)),

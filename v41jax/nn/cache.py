@@ -5,7 +5,7 @@ Per layer (`LayerCache`):
   - window: the sliding window as a ring buffer of `window_size` packed rows (FP8 by default,
     528 B per 512-dim row), slot = position % window_size;
   - main_kv (KV sources): packed compressed main KV rows, NVFP4 by default (288 B per 512 dims),
-    row j = entry j;
+    row j = entry j; `table_rows` rows (the entries of `max_len` tokens, rounded up);
   - index_k (Full layers): packed index keys, MXFP4 by default (68 B per 128 dims);
   - kv_state / score_state (KV sources with ratio > 1): the compressor's buffer of the current,
     incomplete group, float32 [B, ratio, head_dim].
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int, UInt8
 
+from pallas_kernels import pooled_scoring as pooled_kernel
 from v41jax.nn.config import ModelConfig, Role
 from v41jax.ops import formats
 
@@ -56,6 +57,18 @@ class Cache:
         return self.lengths.shape[0]
 
 
+def table_rows(max_len: int, ratio: int) -> int:
+    """Rows of a compressed table (main KV, index keys) that holds `max_len` tokens at compress
+    `ratio`: the ceil(max_len / ratio) entries, rounded up to a multiple of the kernels'
+    `pooled_scoring.IN_PLACE_ROWS` (32: 4 candidate blocks of 8). The kernels read a table of
+    any other length only after copying it whole into whole blocks, at every call: 2.7 ms of an
+    8.5 ms decode step at 1 M tokens × 32 sequences on the H200 (2026-12-04, BENCHMARKS.md).
+    The rows past the entries are never visible (a query sees `compress_lens` entries)."""
+    entries = -(-max_len // ratio)
+    multiple = pooled_kernel.IN_PLACE_ROWS
+    return -(-entries // multiple) * multiple
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> Cache:
     """An empty cache (all lengths 0) for `batch` sequences of up to `max_len` tokens."""
     if batch <= 0:
@@ -69,7 +82,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> Cache:
         layer = LayerCache(window=jnp.zeros((batch, c.window_size, window_row), jnp.uint8))
         if plan.role in (Role.FULL, Role.DENSE):
             r = plan.compress_ratio
-            entries = -(-max_len // r)
+            entries = table_rows(max_len, r)
             kv_row = formats.packed_row_bytes(c.kv_format, c.head_dim, rope_dim=c.rope_head_dim)
             layer = layer.replace(main_kv=jnp.zeros((batch, entries, kv_row), jnp.uint8))
             if plan.role is Role.FULL:
@@ -87,8 +100,10 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> Cache:
 def global_kv_bytes_per_token(cache: Cache) -> float:
     """Bytes of compressed main KV and index keys the cache holds per token of capacity.
 
-    Equal to `accounting`'s global KV bytes per token when `max_len` is a multiple of every
-    compress ratio (the window ring and compressor buffers are per sequence, not per token).
+    Equal to `accounting`'s global KV bytes per token when every table holds exactly the entries
+    of `max_len` tokens (`max_len` a multiple of `IN_PLACE_ROWS` × every compress ratio: no rows
+    added by `table_rows`); the window ring and compressor buffers are per sequence, not per
+    token.
     """
     total = 0
     for layer in cache.layers:
@@ -128,12 +143,12 @@ def table_from_prefill(
     values: Float[Array, "b n d"], lengths: Int[Array, " b"], ratio: int, max_len: int, fmt: str
 ) -> UInt8[Array, "b entries row"]:
     """A compressed table (main KV or index keys) after a prefill: the entries complete within
-    each sequence's `lengths`, packed in `fmt`, zero beyond; ceil(max_len / ratio) rows."""
+    each sequence's `lengths`, packed in `fmt`, zero beyond; `table_rows(max_len, ratio)` rows."""
     packed = formats.pack(values, fmt)
     complete = lengths[:, None] // ratio
     packed = jnp.where((jnp.arange(packed.shape[1]) < complete)[..., None], packed, 0)
-    entries = -(-max_len // ratio)
-    return jnp.pad(packed, ((0, 0), (0, entries - packed.shape[1]), (0, 0)))
+    rows = table_rows(max_len, ratio)
+    return jnp.pad(packed, ((0, 0), (0, rows - packed.shape[1]), (0, 0)))
 
 
 def buffer_from_prefill(
