@@ -17,7 +17,9 @@
   - 'kernel': `kernel_triton.select`, the radix select and its compaction in one Pallas
     program per row (interpreted under 'pallas_interpret'), on the whole row where it has at
     most `kernel_triton.MAX_N` scores, else as the leaves of the selection through the best
-    blocks. Checked on the CPU (interpreted); not yet compiled or timed on the H200.
+    blocks. Compiled on the H200 (2026-12-04, BENCHMARKS.md): equal to the definition at 1-
+    and 2-bit passes, and with 2-bit passes 1.6× 'blocks' at 16,384 scores, 2.3× at 131,072;
+    not the default until the kernel routes' GPU tests have run with it.
   What they take: `supports` (not `neginf_picks='keep'` with a mask; 'kernel': rows or k·8 of
   at most `kernel_triton.MAX_N`).
 """
