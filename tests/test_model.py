@@ -268,6 +268,18 @@ def test_bad_input_errors(tiny_model):
         _model(config.v4_flash())
 
 
+def test_a_config_that_cannot_build_a_model_is_refused_before_any_parameter(monkeypatch):
+    """The refusal comes first: the initializers of layers built before it would run on in the
+    background (jax dispatches them asynchronously), at V4's real sizes a minute of CPU."""
+
+    def no_parameters(*args, **kwargs):
+        raise AssertionError("a parameter was initialized before the config was refused")
+
+    monkeypatch.setattr(model.nnx, "Embed", no_parameters)
+    with pytest.raises(ValueError, match=r"config\.kv_format: .* for byte accounting only"):
+        _model(config.v4_flash())
+
+
 def test_implementation_switches_default_to_xla():
     switches = (
         model.prefill,

@@ -58,16 +58,22 @@ from v41jax.ops.scoring import (
 )
 
 
+def check_buildable(config: ModelConfig) -> None:
+    """Raises unless `config` can build a model: its main-KV format must be one that quantizes
+    (`v4_flash()`'s 'v4_fp8' is registered for byte accounting only)."""
+    if formats.FORMATS[config.kv_format].accounting_only:
+        usable = formats.formats_for("kv", quantizable=True)
+        raise ValueError(
+            f"config.kv_format: expected one of {list(usable)} to build a model "
+            f"({config.kv_format!r} is for byte accounting only), got {config.kv_format!r}"
+        )
+
+
 class Attention(nnx.Module):
     """One CSA2 attention layer: queries, window KV, and the role's compressed-KV machinery."""
 
     def __init__(self, config: ModelConfig, plan: LayerPlan, *, rngs: nnx.Rngs):
-        if formats.FORMATS[config.kv_format].accounting_only:
-            usable = formats.formats_for("kv", quantizable=True)
-            raise ValueError(
-                f"config.kv_format: expected one of {list(usable)} to build a model "
-                f"({config.kv_format!r} is for byte accounting only), got {config.kv_format!r}"
-            )
+        check_buildable(config)
         c = self.config = config
         self.plan = plan
         self.theta, self.yarn = c.rope(plan.compress_ratio)

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
+from v41jax.nn.attention import check_buildable
 from v41jax.nn.blocks import Block, LayerTrace
 from v41jax.nn.cache import Cache
 from v41jax.nn.config import ModelConfig, Role
@@ -71,6 +72,10 @@ class Model(nnx.Module):
     """Token embedding, `config.n_layers` blocks whose roles come from the config, head."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        # Before any parameter: a refused config must not leave the initializers of the layers
+        # built so far running (asynchronously, on V4's real sizes: a minute of CPU in the
+        # tests that followed such a refusal, 2026-12-04).
+        check_buildable(config)
         self.config = config
         self.embed = nnx.Embed(config.vocab_size, config.dim, rngs=rngs)
         self.blocks = nnx.List([Block(config, i, rngs=rngs) for i in range(config.n_layers)])
