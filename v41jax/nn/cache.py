@@ -61,8 +61,9 @@ def table_rows(max_len: int, ratio: int) -> int:
     """Rows of a compressed table (main KV, index keys) that holds `max_len` tokens at compress
     `ratio`: the ceil(max_len / ratio) entries, rounded up to a multiple of the kernels'
     `pooled_scoring.IN_PLACE_ROWS` (32: 4 candidate blocks of 8). The kernels read a table of
-    any other length only after copying it whole into whole blocks, at every call: 2.7 ms of an
-    8.5 ms decode step at 1 M tokens × 32 sequences on the H200 (2026-12-04, BENCHMARKS.md).
+    any other length only after copying it whole into whole blocks, at every call: the two index
+    tables' copies took 4.0 ms of an 8.5 ms decode step at 1 M tokens × 32 sequences on the
+    H200 (2026-12-04, BENCHMARKS.md).
     The rows past the entries are never visible (a query sees `compress_lens` entries)."""
     entries = -(-max_len // ratio)
     multiple = pooled_kernel.IN_PLACE_ROWS
