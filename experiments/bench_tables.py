@@ -294,6 +294,30 @@ def groups(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def source_scan_tune(report: dict, path: Path) -> str:
+    """A `source_scan.bench --tune` run: the 'max' route's kernel under each tuning, then its
+    leave-one-out variants, as time and fraction of the copy ceiling."""
+    n_gb = report["bytes"] / 1e9
+    lines = [
+        f"{path.name}: block-max kernel over every block, {report['n_pos']:,} keys × "
+        f"batch {report['batch']} ({n_gb:.2f} GB), {report['device']}:",
+        "",
+        "| variant | kernel | of copy |",
+        "|---|---|---|",
+    ]
+    for group in ("configs", "ablations"):
+        for name, r in report[group].items():
+            label = f"tiles×stages {name}" if group == "configs" else f"default, {name}"
+            if "error" in r:
+                lines.append(f"| {label} | error | |")
+                continue
+            lines.append(
+                f"| {label} | {r['mosaic_kernel_ms']:.3f} ms | "
+                f"{100 * r['kernel_fraction_of_copy']:.1f} % |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path)
@@ -319,9 +343,15 @@ def main() -> None:
         action="store_true",
         help="the paths are pallas_kernels.source_scan.bench runs",
     )
+    parser.add_argument(
+        "--tune", action="store_true", help="the paths are source_scan.bench --tune runs"
+    )
     args = parser.parse_args()
     reports = [json.loads(p.read_text()) for p in args.paths]
-    if args.topk:
+    if args.tune:
+        for path, report in zip(args.paths, reports, strict=True):
+            print(source_scan_tune(report, path) + "\n")
+    elif args.topk:
         for report in reports:
             print(topk(report))
     elif args.source_scan:

@@ -133,9 +133,10 @@ def test_selection_matches_a_numpy_loop_on_tied_scores(reduce, tie_order):
 @pytest.mark.parametrize("reduce", ["max", "mean", "top2"])
 @pytest.mark.parametrize("tie_order", ["oldest", "newest"])
 def test_the_routes_selections_equal_the_definitions(reduce, tie_order):
-    """`selections` under a kernel implementation (the radix select, the own top-k through the
-    best blocks) picks what the definition's `source_selection` picks from the same scores:
-    tied, −inf and NaN scores, ragged lengths, an empty row."""
+    """`selections` under a kernel implementation (its default top-k there: the selection
+    through the best blocks by max; the GPU's radix-select kernel is the GPU tests') picks what
+    the definition's `source_selection` picks from the same scores: tied, −inf and NaN scores,
+    ragged lengths, an empty row."""
     rng = np.random.default_rng(len(reduce) + len(tie_order))
     scores = rng.integers(-3, 4, size=(4, 203)).astype(np.float32)
     scores[rng.random(scores.shape) < 0.1] = -np.inf
@@ -146,7 +147,7 @@ def test_the_routes_selections_equal_the_definitions(reduce, tie_order):
             topk_blocks=topk_blocks, index_topk=index_topk, reduce=reduce, tie_order=tie_order
         )
         want = selection_of(scores, lengths, **rule)
-        got = selections(scores, lengths, implementation="pallas", **rule)
+        got = selections(scores, lengths, implementation="pallas_interpret", **rule)
         np.testing.assert_array_equal(got.block_ids, want.block_ids)
         np.testing.assert_array_equal(got.topk.indices, want.topk.indices)
         np.testing.assert_array_equal(got.topk.scores, want.topk.scores)

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pallas_kernels.topk import blocks, kernel_triton, radix, supports, topk
-from pallas_kernels.topk.api import METHODS
+from pallas_kernels.topk.api import KERNEL_DIGIT_BITS, METHODS, default_method
 from v41jax.ops import scoring
 
 F32 = np.finfo(np.float32)
@@ -118,6 +118,31 @@ def test_the_radix_select_kernel_equals_the_definition(tie_order, digit_bits):
             jnp.asarray(scores), k, tie_order=tie_order, digit_bits=digit_bits, interpret=True
         )
         assert_same_picks(got, definition(scores, k, tie_order=tie_order))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_has_the_definitions_gradient(method):
+    """The picks' scores carry their positions' tangents, as through the definition's top-k: a
+    route that differentiates through its selection (pooled scoring's VJP) may run any method.
+    The kernel has no derivative of its own (its JVP is declared beside it): the H200's GPU
+    test of pooled scoring's VJP failed with it before (2026-12-04). Rows of 203 scores with
+    ties and −inf; direct and through the best blocks (k·8 > rows' length / 8)."""
+    rng = np.random.default_rng(5)
+    scores = jnp.asarray(random_rows(rng, (3, 203), "ties"))
+    scores = scores.at[0, :50].set(-jnp.inf)
+    weights = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
+
+    def loss(scores, select):
+        picks = select(scores, 40)
+        return jnp.sum(jnp.where(picks.indices >= 0, picks.scores, 0.0) * weights)
+
+    fast = functools.partial(topk, implementation="pallas_interpret", method=method)
+    if method != "blocks":
+        fast = functools.partial(fast, digit_bits=2)
+    got = jax.grad(loss)(scores, fast)
+    want = jax.grad(loss)(scores, definition)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.count_nonzero(np.asarray(got)) == 3 * 40  # every pick of every row moves
 
 
 def test_the_kernel_method_goes_through_blocks_past_the_kernels_rows(monkeypatch):
@@ -303,6 +328,19 @@ def test_supports_says_what_it_takes():
     )  # fmt: skip
     assert [limit.argument for limit in kernel.limits] == ["neginf_picks", "n_pos, k"]
     assert not supports("pallas", method="kernel", digit_bits=8)
+
+
+def test_the_default_method_is_the_kernel_where_it_takes_the_call():
+    kernel = ("kernel", KERNEL_DIGIT_BITS)
+    assert default_method("pallas", n_pos=16_384, k=2048) == kernel
+    assert default_method("pallas", n_pos=2**17, k=2048) == kernel  # through the best blocks
+    assert default_method("pallas", n_pos=2**20, k=2**13)[0] == "blocks"  # k·8 over MAX_N
+    assert default_method("pallas", masked=True, neginf_picks="keep", n_pos=64, k=8)[0] == (
+        "blocks"
+    )
+    assert default_method("pallas_interpret", n_pos=64, k=8)[0] == "blocks"
+    with pytest.raises(ValueError, match="implementation: expected"):
+        default_method("triton", n_pos=64, k=8)
 
 
 @pytest.mark.gpu

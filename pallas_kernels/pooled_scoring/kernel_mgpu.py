@@ -11,12 +11,17 @@ and blocks of 8 positions (`supports` says so to callers). How:
   are in flight while a tile is computed; −1 blocks are not fetched. A tile of 8 consecutive
   blocks starting at a block id that is a multiple of 4 (every full tile of the source scan)
   is one copy of 34 lines of 128 bytes instead (`TuningConfig.tile_copies`).
-- Decode in registers (Hopper has no FP4 MMA): each 32-bit word holds 8 E2M1 nibbles; nibbles n
-  and n+4 become one f16 pair with shifts and masks (the f16 bits of e2m1·2⁻¹⁴, exact, the E2M1
-  subnormal included), times the f16 power of two 2^(X_g − X + 14), where X_g is the E8M0 code of
-  the value's 32-group and X the row's largest: K' = e2m1·2^(X_g − X), exact. The row's scale
-  2^(X − 127) multiplies the row's score at the end (f32), so K' stays in f16 range whatever the
-  scales.
+- Decode in registers (Hopper has no FP4 MMA): each 32-bit word holds 8 E2M1 nibbles; nibbles k
+  and k+4 become one f16 pair with two shifts and masks (the f16 bits of e2m1·2⁻¹⁴, exact, the
+  E2M1 subnormal included), times the f16 pair (2^(X_g − X + 14), same) in one f16x2 multiply,
+  where X_g is the E8M0 code of the value's 32-group and X the row's largest:
+  K' = e2m1·2^(X_g − X), exact. The row's scale 2^(X − 127) multiplies the row's score at the
+  end (f32), so K' stays in f16 range whatever the scales. On the GPU the pairs are the wgmma
+  operand's registers as they are (`_decode_registers`, through `plgpu.inline_mgpu`: Pallas
+  cannot reinterpret a u32 array as f16 pairs), and each thread computes the 4 group factors of
+  its rows once; before 2026-12-04 the decode split each pair into halves, repacked them across
+  two words and computed a factor per word, 0.92 of the source scan's 2.55 ms at 1 M tokens
+  (`results/tune_source_scan_h200_2026-12-04.json`, its no_decode variant).
 - The decoded tile is the wgmma A operand straight from registers, q' (f16, in shared memory) the
   B operand: acc[64 rows, heads] = K'·q'ᵀ in f32 (swap-AB: the 64 key rows fill wgmma's M=64, the
   heads are N). Then ReLU, the head weights, the sum over heads, the row scale, the −inf mask, and
@@ -26,9 +31,9 @@ and blocks of 8 positions (`supports` says so to callers). How:
   shared memory instead of storing them, then reads them back as [blocks, 8] rows of a WGMMA
   layout (a block's 8 positions in the threads that hold its row), takes each row's max and
   stores the CTA's block maxima once: 4 bytes leave per 8 rows of 68 bytes read.
-- The decode emits the 128 dims in "nibble-major" order (dim 8w+n of the row lands in column
-  16n+w, w = word, n = nibble), so q is permuted the same way once per call (`permute_dims`):
-  q·k is unchanged and no register shuffles are needed.
+- The decode emits the 128 dims in the order its registers hold them (`COLUMN_DIMS`: a thread's
+  f16 pair is nibbles k and k+4 of one word), so q is permuted the same way once per call
+  (`permute_dims`): q·k is unchanged and no register shuffles are needed.
 
 Numerics: exact products for MXFP4 q (its values are f16-exact after the per-head power of two,
 unless a 32-group is ~20 binades below the head's largest value); other q are rounded to f16
@@ -55,7 +60,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, gpu, vector
 from jaxtyping import Array, Float, Int, UInt8, UInt32
 
 from pallas_kernels.dispatch import Support, support
@@ -128,10 +138,29 @@ class TuningConfig:
             raise ValueError(f"num_stages: expected at least 2, got {self.num_stages}")
 
 
+def _column_dims() -> np.ndarray:
+    """The dim of a packed row (8w + n: nibble n of 32-bit word w) that each of the decoded
+    tile's 128 columns holds.
+
+    The wgmma A operand's layout (`plgpu.Layout.WGMMA`, f16) gives the thread with lane % 4 = j,
+    in each 8-column tile c, the pair of columns 8c + 2j + (0, 1) as one 32-bit register; its
+    words tile ([64, 16] u32, same layout) gives it words 8t + 2j + e (t, e ∈ {0, 1}). So column
+    64t + 32e + 8k + 2j + p is nibble k + 4p of word 8t + 2j + e: the register of column tile
+    8t + 4e + k is the word's nibbles (k, k + 4) as an f16 pair, built in place."""
+    dims = np.empty(DIM, np.int32)
+    for t, e, k, j, p in np.ndindex(2, 2, 4, 4, 2):
+        dims[64 * t + 32 * e + 8 * k + 2 * j + p] = 8 * (8 * t + 2 * j + e) + k + 4 * p
+    return dims
+
+
+COLUMN_DIMS = _column_dims()
+"""COLUMN_DIMS[c]: the row's dim in the decoded tile's column c (`_column_dims`)."""
+
+
 def permute_dims(x: Float[Array, "*batch 128"]) -> Float[Array, "*batch 128"]:
-    """Reorders the last axis (128 dims) into the kernel's nibble-major column order:
-    column 16n + w holds dim 8w + n (w: 32-bit word of the packed row, n: nibble in it)."""
-    return x.reshape(*x.shape[:-1], 16, 8).swapaxes(-1, -2).reshape(x.shape)
+    """Reorders the last axis (128 dims) into the decoded tile's column order: column c holds
+    dim `COLUMN_DIMS[c]`."""
+    return x[..., COLUMN_DIMS]
 
 
 def packed_words(k_packed: UInt8[Array, "batch seq 68"]) -> UInt32[Array, "batch blocks 136"]:
@@ -152,7 +181,7 @@ def packed_words(k_packed: UInt8[Array, "batch seq 68"]) -> UInt32[Array, "batch
 def kernel_queries(
     q: Float[Array, "batch heads 128"], weights: Float[Array, "batch heads"]
 ) -> tuple[Float[Array, "batch heads_padded 128"], Float[Array, "batch heads_padded"]]:
-    """q and the head weights as the kernel reads them: q in nibble-major order, divided by a
+    """q and the head weights as the kernel reads them: q in the tile's column order, divided by a
     power of two 2^e_h per head so that |q'| < 1 in f16, and w' = w·2^e_h (exact, since
     ReLU(2^e·x) = 2^e·ReLU(x)); heads zero-padded to a multiple of 32 (they score 0).
 
@@ -171,7 +200,8 @@ def kernel_queries(
 
 
 def _decode_tile(words, scale_words):
-    """Decodes a tile: f16 keys K' [64, 128] (nibble-major columns) and the row exponents [64].
+    """Decodes a tile in jnp (the interpreter's path): f16 keys K' [64, 128] (columns in
+    `COLUMN_DIMS` order) and the row exponents [64].
 
     words: [64, 16] uint32, the 64 nibble bytes of each row; scale_words: [64] uint32, the 4 E8M0
     bytes of each row (byte g scales words 4g..4g+3). With X_g the code of a value's group and X the
@@ -179,8 +209,7 @@ def _decode_tile(words, scale_words):
     scale out keeps K' in f16 range whatever the scales (groups more than 28 binades below the
     row's largest flush to zero). Returns (K', X).
     """
-    codes = [(scale_words >> (8 * g)) & 0xFF for g in range(4)]
-    row_code = functools.reduce(jnp.maximum, codes)
+    row_code = _row_code(scale_words)
     column = plgpu.broadcasted_iota(jnp.uint32, words.shape, 1, layout=plgpu.Layout.WGMMA)
     code = (lax.broadcast_in_dim(scale_words, words.shape, (0,)) >> ((column >> 2) << 3)) & 0xFF
     # f16 2^(X_g − X + 14) (the decoded pairs below carry a factor 2^-14): exponent field
@@ -199,7 +228,67 @@ def _decode_tile(words, scale_words):
         for nibble, half in ((k, bits), (k + 4, bits >> 16)):
             value = lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16)
             pieces[nibble] = value * multiplier  # exact: a power of two times e2m1
-    return jnp.concatenate(pieces, axis=1), row_code
+    # pieces[4p + k][r, 8t + 2j + e] → column 64t + 32e + 8k + 2j + p (`_column_dims`).
+    keys = jnp.stack(pieces).reshape(2, 4, TILE_ROWS, 2, 4, 2)  # p, k, r, t, j, e
+    keys = keys.transpose(2, 3, 5, 1, 4, 0).reshape(TILE_ROWS, DIM)  # r, t, e, k, j, p
+    return keys, row_code
+
+
+def _row_code(scale_words):
+    """The row's largest E8M0 code X, from its 4 scale bytes (one u32 per row)."""
+    return functools.reduce(jnp.maximum, [(scale_words >> (8 * g)) & 0xFF for g in range(4)])
+
+
+@plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(1)),
+    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, DIM), jnp.float16, plgpu.Layout.WGMMA),
+)
+def _decode_registers(ctx, words, scale_words, row_code):
+    """The GPU's decode: `_decode_tile`'s keys (same values, same columns), built register by
+    register. words: [64, 16] u32 (WGMMA layout: a thread holds words 8t + 2j + e, t, e ∈ {0, 1},
+    j = lane % 4, of rows r and r + 8); scale_words, row_code: [64] u32 (one per row). Each
+    thread computes the group factor of its (row, t) once: the words 8t + 2j, 8t + 2j + 1 lie in
+    group 2t + j // 2. Each word gives 4 registers of the A operand (`_column_dims`)."""
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+
+    def const(value):
+        return arith.constant(i32, int(value))
+
+    tid = arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x))
+    # Bit offset of the thread's first group byte: 8 · (j // 2), j = lane % 4.
+    group_shift = arith.shli(arith.andi(arith.shrui(tid, const(1)), const(1)), const(3))
+    out = np.empty(mgpu_fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, DIM)), dtype=object)
+
+    def element(register, i):
+        return vector.extract(register, dynamic_position=[], static_position=[i])
+
+    for h in range(2):  # rows r and r + 8 of the thread's 16-row slab
+        scales = element(scale_words.registers[0, 0, h, 0, 0], 0)
+        largest = element(row_code.registers[0, 0, h, 0, 0], 0)
+        for t in range(2):
+            shift = arith.addi(group_shift, const(16 * t))
+            code = arith.andi(arith.shrui(scales, shift), const(0xFF))
+            # f16 2^(X_g − X + 14) in both halves: exponent field X_g − X + 29, or 0 (flush).
+            field = arith.maxsi(arith.subi(arith.addi(code, const(29)), largest), const(0))
+            half = arith.shli(field, const(10))
+            factor = mgpu_utils.bitcast(arith.ori(half, arith.shli(half, const(16))), f16x2)
+            pair_of_words = words.registers[0, t, 0, 0, h, 0, 0, 0, 0]
+            for e in range(2):
+                word = element(pair_of_words, e)
+                for k in range(4):
+                    # Nibbles k and k + 4: sign (bit 4k + 3) to bits 15 and 31, the magnitude
+                    # bits to 9..11 and 25..27 (`_decode_tile`).
+                    sign = arith.andi(arith.shli(word, const(12 - 4 * k)), const(_SIGN_BITS))
+                    if k < 3:
+                        magnitude = arith.shli(word, const(9 - 4 * k))
+                    else:
+                        magnitude = arith.shrui(word, const(3))
+                    magnitude = arith.andi(magnitude, const(_MAGNITUDE_BITS))
+                    pair = mgpu_utils.bitcast(arith.ori(sign, magnitude), f16x2)
+                    out[0, 8 * t + 4 * e + k, 0, 0, h, 0, 0, 0, 0] = arith.mulf(pair, factor)
+    return mgpu.FragmentedArray(_registers=out, _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
 
 
 def _kernel(
@@ -364,7 +453,11 @@ def _kernel(
                 plgpu.commit_smem()
                 fetch(tile + num_stages, slot)
 
-        keys, row_code = _decode_tile(words, scale_words)
+        if whole_blocks:
+            keys, row_code = _decode_tile(words, scale_words)
+        else:
+            row_code = _row_code(scale_words)
+            keys = _decode_registers(words, scale_words, row_code)
         if ablation == "no_decode":  # the raw words as keys: the decode drops out
             raw = lax.bitcast_convert_type((words & 0x3FFF).astype(jnp.uint16), jnp.float16)
             keys = jnp.concatenate([raw] * 8, axis=1)
@@ -483,6 +576,7 @@ def pooled_block_max_mgpu(
     n_pos: int | None = None,
     config: TuningConfig = TuningConfig(),
     interpret: bool = False,
+    _ablation: str | None = None,
 ) -> Float[Array, "batch n_blocks"]:
     """Each listed block's maximum score over its valid positions, the positions' scores never
     leaving the kernel: `pooled_scores_mgpu`'s scores (same arguments), NaN and positions
@@ -490,7 +584,8 @@ def pooled_block_max_mgpu(
     −1 block or one with no valid position. What the source-scan route ranks its blocks by.
 
     Tiles per CTA: `config.tiles_per_cta` rounded up to a multiple of 8 (a CTA's block maxima
-    are reduced as rows of a WGMMA layout, whose tile is 64 rows).
+    are reduced as rows of a WGMMA layout, whose tile is 64 rows). `_ablation`: as
+    `pooled_scores_mgpu`'s (a measurement aid, wrong results).
 
     Returns:
       [B, NB] float32 block maxima, in the order of `block_ids`.
@@ -504,7 +599,7 @@ def pooled_block_max_mgpu(
         n_pos=n_pos,
         config=config,
         interpret=interpret,
-        ablation=None,
+        ablation=_ablation,
         block_max=True,
     )
 

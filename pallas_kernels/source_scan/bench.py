@@ -30,6 +30,7 @@ measured in the same run. Returns a plain JSON-able dict; errors are recorded, n
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -158,6 +159,67 @@ def run(
     return out
 
 
+TUNE_CONFIGS = tuple(
+    kernel_mgpu.TuningConfig(tiles_per_cta=tiles, num_stages=stages)
+    for tiles in (8, 16, 32, 64)
+    for stages in (2, 3, 4, 6)
+)
+ABLATIONS = ("no_fetch", "no_decode")
+
+
+def tune(
+    n_pos: int = 1048576,
+    batch: int = 64,
+    n_heads: int = 32,
+    dim: int = 128,
+    configs: tuple[kernel_mgpu.TuningConfig, ...] = TUNE_CONFIGS,
+    iterations: int = 10,
+    copy_gbps: float | None = None,
+    progress: Callable[[dict], None] | None = None,
+) -> dict:
+    """The 'max' route's kernel (`pooled_block_max_mgpu` over every block) under each tuning in
+    `configs`, then, under the default tuning, its leave-one-out variants (`ABLATIONS`: without
+    the refills after the prologue, without the FP4 decode; wrong results, timing only), which
+    say what limits it. One data set of `n_pos` keys × `batch` queries (4.5 GB at 1 M × 64)."""
+    copy = {"GBps": copy_gbps} if copy_gbps else timing.copy_ceiling()
+    rows = batch * n_pos * formats.packed_row_bytes("mxfp4", dim)
+    n_bytes = rows + batch * (n_heads * dim * 4 + n_heads * 4 + 4 + n_pos // BLOCK_SIZE * 4)
+    out = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "n_pos": n_pos,
+        "batch": batch,
+        "heads": n_heads,
+        "dim": dim,
+        "bytes": n_bytes,
+        "copy": copy,
+        "default": dataclasses.asdict(kernel_mgpu.TuningConfig()),
+        "configs": {},
+        "ablations": {},
+    }
+    data = [random_inputs(jax.random.key(11), batch=batch, n_pos=n_pos, n_heads=n_heads, dim=dim)]
+    jax.block_until_ready(data)
+
+    def block_max(k_packed, q, weights, lengths, *, config, ablation=None):
+        ids = api.every_block(lengths, n_pos, BLOCK_SIZE)
+        return kernel_mgpu.pooled_block_max_mgpu(
+            k_packed, q, weights, ids, lengths, config=config, _ablation=ablation
+        )
+
+    runs = [("configs", f"{c.tiles_per_cta}x{c.num_stages}", c, None) for c in configs]
+    runs += [("ablations", a, kernel_mgpu.TuningConfig(), a) for a in (None, *ABLATIONS)]
+    for group, name, config, ablation in runs:
+        fn = jax.jit(functools.partial(block_max, config=config, ablation=ablation))
+        timing.record(
+            out[group], name or "none", fn, data, iterations, n_bytes=n_bytes,
+            copy_gbps=copy["GBps"],
+        )  # fmt: skip
+        if progress:
+            progress(out)
+    return out
+
+
 def main() -> None:
     import argparse
 
@@ -167,9 +229,37 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--datasets", type=int, default=2)
+    parser.add_argument(
+        "--tune-configs",
+        nargs="+",
+        metavar="TILESxSTAGES",
+        help="with --tune: these tunings (e.g. 32x4 16x2) instead of the whole grid",
+    )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="time the 'max' route's kernel under each tuning and its leave-one-out variants "
+        "at the first context (`tune`) instead",
+    )
     args = parser.parse_args()
 
     save = timing.json_writer(args.out)
+    if args.tune:
+        configs = TUNE_CONFIGS
+        if args.tune_configs:
+            configs = tuple(
+                kernel_mgpu.TuningConfig(*map(int, text.split("x"))) for text in args.tune_configs
+            )
+        result = tune(
+            n_pos=args.contexts[0],
+            batch=args.batch,
+            configs=configs,
+            iterations=args.iterations,
+            progress=save,
+        )
+        save(result)
+        print(json.dumps(result, indent=1))
+        return
 
     result = run(
         contexts=tuple(args.contexts),

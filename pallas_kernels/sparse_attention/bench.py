@@ -1,6 +1,8 @@
 """Device-side timing of FP4 sparse attention against the XLA baselines (DESIGN §6).
 
     python -m pallas_kernels.sparse_attention.bench     # on a GPU; prints the JSON
+    python -m pallas_kernels.sparse_attention.bench --backends mgpu --variants specialized splits1 \
+        --out results.json                               # the Mosaic GPU kernel and variants
 
 `run()` times, per batch size, on fresh random data (never zeros), with the project's device
 timer (`pallas_kernels.timing.measure`: CUPTI, per-call GPU time summed over every kernel the
@@ -15,11 +17,13 @@ call launches, the small XLA ops around a Pallas kernel included, after a warm-u
 
 Reported per entry: time, TFLOP/s (2·H·keys·2·D per query: QK^T and PV), the bytes that must move
 (each selected key row once in its stored format, q read and the output written once, indices and
-window flags) and that over the time, and the error against the float32 reference.
+window flags) and that over the time, the error against the float32 reference, and each kernel
+of the last call by name (`kernels_us`: the Pallas kernel and the XLA ops around it).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 from collections.abc import Callable, Mapping
@@ -33,6 +37,14 @@ from pallas_kernels import timing
 from pallas_kernels.sparse_attention import api, kernel_mgpu
 from v41jax.ops import formats
 from v41jax.ops.attention import packed_sparse_attention, softmax_with_sink
+
+MGPU_VARIANTS = {
+    "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
+    "specialized_splits1": kernel_mgpu.TuningConfig(kernel="specialized", splits=1),
+    "splits1": kernel_mgpu.TuningConfig(splits=1),
+}
+"""Mosaic GPU configurations the command line can add by label (`--variants`): the
+warp-specialized kernel, and split-KV off."""
 
 
 def bf16_cache_attention(
@@ -196,6 +208,7 @@ def run(
                     time_us=times["median_ms"] * 1e3,
                     time_us_all=[t * 1e3 for t in times["times_ms"]],
                     longest_kernel_us=times["longest_kernel_ms"] * 1e3,
+                    kernels_us=[(k["name"], k["ms"] * 1e3) for k in times["kernels"]],
                     tflops=batch * flops_per_query / seconds / 1e12,
                     bytes=moved,
                     tb_per_s=moved / seconds / 1e12,
@@ -228,5 +241,30 @@ def run(
     }
 
 
+def main(argv: list[str] | None = None) -> dict:
+    """The command line: `run` with the chosen batches, backends and `MGPU_VARIANTS`; prints
+    the JSON and, with --out, writes it there."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--backends", nargs="+", default=list(api.BACKENDS))
+    parser.add_argument("--variants", nargs="*", default=[], choices=list(MGPU_VARIANTS))
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--out", help="path of the JSON to write")
+    args = parser.parse_args(argv)
+    report = run(
+        tuple(args.batches),
+        backends=tuple(args.backends),
+        mgpu_variants={label: MGPU_VARIANTS[label] for label in args.variants},
+        iterations=args.iterations,
+        on_result=lambda entry: print(json.dumps(entry), flush=True),
+    )
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return report
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(), indent=1))
+    main()

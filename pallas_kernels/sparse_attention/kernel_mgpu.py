@@ -14,6 +14,10 @@ query's FP8 window rows first, then the compressed rows its top-k selects. Warpg
 3. the same online softmax in both (log2 domain; the sink opens the running max and sum);
 4. PV into its half of the output (wgmma 64×D/2×64; K = V, so one tile serves both products).
 
+`TuningConfig(kernel='specialized')` is a warp-specialized variant (a producer warpgroup decodes
+into two key tiles while two consumers each compute QK^T over the full D): correct, but slower on
+the H200 (`NOTES.md`).
+
 When the batch alone leaves SMs idle, each (query, head group) is split over up to 4 CTAs, each
 taking a contiguous share of the chunks (split-KV); their bf16 partial outputs and log2-sum-exps
 are merged in XLA. The output is bf16 [B, H, D]; logits, softmax and accumulators are float32.
@@ -199,10 +203,18 @@ class TuningConfig:
     Args:
       dequant: 'ptx' decodes with inline PTX (the GPU path); 'jnp' gathers and unpacks with
         `v41jax.ops.formats.unpack` inside the kernel (the only one interpret mode can run).
-      prefetch: load the packed rows of the next top-k chunk while this one computes. Off by
-        default: on the H200 (2026-11-29) it cost 1.6 µs at batch 64 and 2.7 µs at 128,
-        presumably through its 18 extra live registers (ptxas already reported 255 registers
-        and 152 bytes of spills with it).
+      kernel: 'exchange' (the default): `_exchange_kernel`, two warpgroups; each gathers and
+        decodes its half of D of one key tile and computes QK^T over that half, the partial
+        logits are summed through shared memory; all steps one after another. 'specialized':
+        `_specialized_kernel`, a producer warpgroup gathers and decodes into two key tiles
+        while two consumer warpgroups each compute QK^T over the full D, the softmax and PV.
+        Slower on the H200 (2026-12-04, `NOTES.md`): kernel 33.4 µs against 26.2 at batch 64,
+        64.5 against 50.4 at 128. GPU only: the interpreter does not finish three warpgroups
+        on a 2-core CPU.
+      prefetch: ('exchange' only) load the packed rows of the next top-k chunk while this
+        one computes. Off by default: on the H200 (2026-11-29) it cost 1.6 µs at batch 64 and
+        2.7 µs at 128, presumably through its 18 extra live registers (ptxas already reported
+        255 registers and 152 bytes of spills with it).
       splits: CTAs per (query, 64 heads), each over a contiguous share of the key chunks, their
         partial outputs merged by log-sum-exp in XLA (split-KV, as flash-decoding). None: as
         many as keep every SM busy (number of SMs // (B · head groups), at most 4), so a batch
@@ -210,10 +222,13 @@ class TuningConfig:
     """
 
     dequant: str = "ptx"
+    kernel: str = "exchange"
     prefetch: bool = False
     splits: int | None = None
 
     def __post_init__(self):
+        if self.kernel not in ("specialized", "exchange"):
+            raise ValueError(f"kernel: expected 'specialized' or 'exchange', got {self.kernel!r}")
         if self.dequant not in ("ptx", "jnp"):
             raise ValueError(f"dequant: expected 'ptx' or 'jnp', got {self.dequant!r}")
         if self.splits is not None and self.splits < 1:
@@ -324,10 +339,19 @@ def _thread_piece(tid: ir.Value, piece: int) -> tuple[ir.Value, ir.Value]:
     return row, tile
 
 
-def _fp4_load(geometry: _Geometry, kv_rows: ir.Value, slots: ir.Value) -> list[ir.Value]:
-    """This thread's raw NVFP4 words of one chunk: per piece 8 words of E2M1 nibbles (64 dims)
-    and 1 word of E4M3 scales; all zero for a −1 slot."""
+def _half_index(half: int | None) -> tuple[ir.Value, ir.Value]:
+    """(thread index within the warpgroup, the half of D it decodes: `half`, or for None the
+    warpgroup's own index)."""
     tid, wg = _thread_in_warpgroup()
+    return tid, wg if half is None else _i32(half)
+
+
+def _fp4_load(
+    geometry: _Geometry, kv_rows: ir.Value, slots: ir.Value, half: int | None
+) -> list[ir.Value]:
+    """This thread's raw NVFP4 words of one chunk's `half` of D (`_half_index`): per piece 8
+    words of E2M1 nibbles (64 dims) and 1 word of E4M3 scales; all zero for a −1 slot."""
+    tid, wg = _half_index(half)
     g = geometry
     row, _ = _thread_piece(tid, 0)
     valid, safe = _row_slot(slots, row)
@@ -366,12 +390,13 @@ def _fp4_decode_store(geometry: _Geometry, words: list[ir.Value], dst: ir.Value)
 
 
 def _fp8_load_decode_store(
-    geometry: _Geometry, win_rows: ir.Value, slots: ir.Value, dst: ir.Value
+    geometry: _Geometry, win_rows: ir.Value, slots: ir.Value, dst: ir.Value, half: int | None
 ) -> None:
-    """Gathers, decodes (E4M3 × UE8M0) and stores this thread's share of a window chunk: per
-    piece 64 E4M3 bytes and the 2 UE8M0 bytes of its two 32-dim groups; zeros for a −1 slot."""
+    """Gathers, decodes (E4M3 × UE8M0) and stores this thread's share of a window chunk's
+    `half` of D (`_half_index`): per piece 64 E4M3 bytes and the 2 UE8M0 bytes of its two
+    32-dim groups; zeros for a −1 slot."""
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-    tid, wg = _thread_in_warpgroup()
+    tid, wg = _half_index(half)
     g = geometry
     row, _ = _thread_piece(tid, 0)
     valid, safe = _row_slot(slots, row)
@@ -426,8 +451,9 @@ def _unpack_raw(raw: mgpu.FragmentedArray) -> list[ir.Value]:
 
 # ---------------------------------------------------------------------------------------------
 # The dequant step, behind one interface for both paths: `load(rows, slots)` returns the raw data
-# to carry (the prefetch), `store(raw, dst, rows, slots)` writes the bf16 tile of this
-# warpgroup's half of a top-k chunk, `window(rows, slots, dst)` does both for a window chunk.
+# to carry (the prefetch), `store(raw, dst, rows, slots)` writes the bf16 tile of one half of D
+# of a top-k chunk, `window(rows, slots, dst)` does both for a window chunk. The half: `half`,
+# or for None the calling warpgroup's own.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,7 +463,7 @@ class _Dequant:
     window: Callable[..., None]
 
 
-def _ptx_dequant(geometry: _Geometry) -> _Dequant:
+def _ptx_dequant(geometry: _Geometry, half: int | None = None) -> _Dequant:
     raw_type = plgpu.ShapeDtypeStruct(
         (WARPGROUP * geometry.fp4_words,), jnp.int32, layout=_raw_layout(geometry)
     )
@@ -445,7 +471,7 @@ def _ptx_dequant(geometry: _Geometry) -> _Dequant:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=raw_type)
     def load(ctx, kv_rows, slots):
         del ctx
-        return _pack_raw(_fp4_load(geometry, kv_rows, slots), geometry)
+        return _pack_raw(_fp4_load(geometry, kv_rows, slots, half), geometry)
 
     @plgpu.inline_mgpu(arg_types=(_raw_layout(geometry), plgpu.RefType(_TILE)))
     def store_raw(ctx, raw, dst):
@@ -455,22 +481,21 @@ def _ptx_dequant(geometry: _Geometry) -> _Dequant:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_TILE)))
     def window(ctx, win_rows, slots, dst):
         del ctx
-        _fp8_load_decode_store(geometry, win_rows, slots, dst)
+        _fp8_load_decode_store(geometry, win_rows, slots, dst, half)
 
     return _Dequant(load, lambda raw, dst, rows, slots: store_raw(raw, dst), window)
 
 
-def _jnp_dequant(geometry: _Geometry) -> _Dequant:
+def _jnp_dequant(geometry: _Geometry, half: int | None = None) -> _Dequant:
     """The interpret-mode stand-in: gather whole rows and unpack them with `formats.unpack`."""
 
     def decode(rows_ref, slots_ref, dst_ref, fmt):
         slots = slots_ref[...]
         rows = jnp.take(rows_ref[...], jnp.maximum(slots, 0), axis=0)
         values = jnp.where(slots[:, None] >= 0, formats.unpack(rows, fmt, geometry.dim), 0.0)
-        half = lax.dynamic_slice_in_dim(
-            values, lax.axis_index("wg") * geometry.half, geometry.half, axis=1
-        )
-        dst_ref[...] = half.astype(jnp.bfloat16)
+        part = lax.axis_index("wg") if half is None else half
+        values = lax.dynamic_slice_in_dim(values, part * geometry.half, geometry.half, axis=1)
+        dst_ref[...] = values.astype(jnp.bfloat16)
 
     return _Dequant(
         load=lambda rows, slots: jnp.zeros((WARPGROUP * geometry.fp4_words,), jnp.int32),
@@ -480,10 +505,222 @@ def _jnp_dequant(geometry: _Geometry) -> _Dequant:
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernel.
+# The kernels: the warp-specialized one and the first one, with the logit exchange (the default).
+# Both share the online softmax step and the output's epilogue.
 
 
-def _kernel(
+def _split_range(split, splits: int, n_window_chunks: int, n_topk_chunks: int):
+    """This split's chunks [lo, hi) of the window-then-top-k list (never empty: splits <= the
+    number of chunks)."""
+    n_chunks = n_window_chunks + n_topk_chunks
+    return split * n_chunks // splits, (split + 1) * n_chunks // splits
+
+
+def _open_softmax(sink_smem, half: int):
+    """(acc, m, denom) before the first key: the sink opens the running max and sum, so an
+    empty row gives acc = 0 and l = 1 (or l = 0 for a −inf sink, guarded at the end), never
+    NaN. Only split 0 has the sink (the others get −inf, so l starts at 0)."""
+    sink = plgpu.load(sink_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+    m0 = jnp.maximum(sink, -1e30)
+    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
+    return acc0, m0, jnp.exp2(sink - m0)
+
+
+def _softmax_step(s, slots_ref, acc, m, denom, logit_scale: float):
+    """One chunk of the online softmax (log2 domain) on the logits `s` [64 heads, 64 keys]:
+    returns (p as bf16, acc rescaled to the new max, the new max, the new sum)."""
+    slots = plgpu.load(slots_ref, layout=plgpu.Layout.WGMMA.reduce(0))
+    valid = lax.broadcast_in_dim(slots >= 0, s.shape, [1])
+    s = jnp.where(valid, s * logit_scale, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    denom = denom * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p.astype(jnp.bfloat16), acc, m_new, denom
+
+
+def _pv_in_interpreter(acc, p16, p_smem, v_ref):
+    """acc + P·V as the interpreter can run it: it runs neither `run_state` nor a wgmma with A
+    in registers, so P is staged in shared memory and a fresh product is added."""
+    p_smem[...] = p16
+    plgpu.commit_smem()
+
+    def pv_fresh(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_ref)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _write_output(acc, m, denom, out_smem, o_ref, lse_ref, lse_smem, *, b, split, heads, splits):
+    """acc / l as bf16 through `out_smem` (a [64, D/2] buffer no wgmma reads any more) to this
+    warpgroup's half of o_ref[b, split, heads]; with splits, warpgroup 0 also writes the
+    log2-sum-exp the combine weighs the splits by (both warpgroups hold it)."""
+    wg = lax.axis_index("wg")
+    half = out_smem.shape[-1]
+    out = acc / lax.broadcast_in_dim(jnp.where(denom > 0, denom, 1.0), acc.shape, [0])
+    out_smem[...] = out.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+        out_smem, o_ref.at[b, split, heads, pl.ds(wg * half, half)], commit_group=False
+    )
+    if splits > 1:
+
+        @pl.when(wg == 0)
+        def _():
+            lse_smem[...] = m + jnp.log2(denom)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, heads], commit_group=False)
+
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
+CONSUMER_REGISTERS = 224
+PRODUCER_REGISTERS = 56
+"""Per-thread registers of the warp-specialized kernel's roles (`setmaxnreg`): 2 · 224 + 56 =
+504 of the 512 per lane that 65,536 registers give three warpgroups."""
+
+
+def _specialized_kernel(
+    q_ref,
+    kv_ref,
+    win_ref,
+    slots_ref,
+    sink_ref,
+    o_ref,
+    lse_ref,
+    q_smem,
+    k_smem,
+    slots_smem,
+    sink_smem,
+    lse_smem,
+    load_barriers,
+    full_barriers,
+    empty_barriers,
+    done_barrier,
+    p_smem=None,
+    *,
+    geometry: _Geometry,
+    n_window_chunks: int,
+    n_topk_chunks: int,
+    splits: int,
+    logit_scale: float,
+    dequant: tuple[_Dequant, _Dequant],
+    interpret: bool,
+):
+    """The warp-specialized kernel (`TuningConfig(kernel='specialized')`, slower than the
+    default on the H200: `NOTES.md`): warpgroups 0 and 1 compute, warpgroup 2 gathers and
+    decodes. k_smem holds two key tiles [2 slots, 2 halves of D, 64 keys, D/2];
+    chunk c lives in slot c % 2.
+
+    - The producer (warpgroup 2, `PRODUCER_REGISTERS`): per chunk, waits until both consumers
+      released the slot (`empty_barriers`), gathers and decodes both halves of D into it and
+      arrives on `full_barriers`: the decode of chunk c + 1 runs while the consumers compute
+      chunk c.
+    - Each consumer (warpgroup w, `CONSUMER_REGISTERS`): waits for the tile, S = Q·K^T over the
+      full D (two wgmma 64×64×D/2; both consumers compute the same logits, twice the QK^T work
+      of splitting D, but no exchange of partial logits, whose shared memory now holds the
+      second tile), the online softmax, PV into its half of the output, releases the slot.
+    """
+    b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    half = geometry.half
+    heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
+    lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
+    slots_bar = load_barriers.at[3 * wg + 1]
+    plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem.at[wg], slots_bar)
+
+    def chunk_slots(chunk):
+        return slots_smem.at[wg, chunk]
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        kv_rows, win_rows = kv_ref.at[b], win_ref.at[b]
+        plgpu.barrier_wait(slots_bar)
+
+        def produce(c, _):
+            slot = c % 2
+
+            @pl.when(c >= lo + 2)
+            def _():  # chunk c − 2 in this slot is consumed
+                plgpu.barrier_wait(empty_barriers.at[slot])
+
+            @pl.when(c < n_window_chunks)
+            def _():
+                for h, dq in enumerate(dequant):
+                    dq.window(win_rows, chunk_slots(c), k_smem.at[slot, h])
+
+            @pl.when(c >= n_window_chunks)
+            def _():  # both halves' loads first: their latencies overlap
+                raws = [dq.load(kv_rows, chunk_slots(c)) for dq in dequant]
+                for h, (dq, raw) in enumerate(zip(dequant, raws, strict=True)):
+                    dq.store(raw, k_smem.at[slot, h], kv_rows, chunk_slots(c))
+
+            plgpu.commit_smem()  # the wgmma reads what ordinary stores wrote
+            plgpu.barrier_arrive(full_barriers.at[slot])
+            return _
+
+        lax.fori_loop(lo, hi, produce, None)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
+        plgpu.copy_gmem_to_smem(sink_ref.at[split, heads], sink_smem.at[wg], sink_bar)
+        plgpu.barrier_wait(slots_bar)
+        plgpu.barrier_wait(sink_bar)
+        acc, m, denom = _open_softmax(sink_smem.at[wg], half)
+        for other in range(2):  # QK^T reads both halves of q
+            plgpu.barrier_wait(load_barriers.at[3 * other])
+
+        def step(c, carry):
+            acc, m, denom = carry
+            slot = c % 2
+            plgpu.barrier_wait(full_barriers.at[slot])
+            tile = k_smem.at[slot]
+
+            def qk(s_ref):
+                for h in range(2):
+                    plgpu.wgmma(s_ref, q_smem.at[h], tile.at[h].T)
+                return s_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_HEADS, BLOCK_KV), jnp.float32))
+            p16, acc, m, denom = _softmax_step(s, chunk_slots(c), acc, m, denom, logit_scale)
+            if interpret:
+                acc = _pv_in_interpreter(acc, p16, p_smem.at[wg], tile.at[wg])
+            else:
+
+                def pv(acc_ref):  # accumulates onto acc in place; run_state awaits it on exit
+                    plgpu.wgmma(acc_ref, p16, tile.at[wg])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(empty_barriers.at[slot])
+            return acc, m, denom
+
+        acc, m, denom = lax.fori_loop(lo, hi, step, (acc, m, denom))
+        # Once both consumers are done, no wgmma reads q: its buffer takes the output.
+        plgpu.barrier_arrive(done_barrier)
+        plgpu.barrier_wait(done_barrier)
+        _write_output(
+            acc,
+            m,
+            denom,
+            q_smem.at[wg],
+            o_ref,
+            lse_ref,
+            lse_smem,
+            b=b,
+            split=split,
+            heads=heads,
+            splits=splits,
+        )
+
+
+def _exchange_kernel(
     q_ref,
     kv_ref,
     win_ref,
@@ -510,6 +747,10 @@ def _kernel(
     prefetch: bool,
     interpret: bool,
 ):
+    """The default kernel (`TuningConfig(kernel='exchange')`, the module docstring's design):
+    one key tile [2 halves, 64, D/2]; per chunk the gather and decode, each warpgroup's partial
+    QK^T over its half of D, the two partial logit tiles summed through s_smem, the softmax and
+    PV, one after another."""
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     half = geometry.half
@@ -528,14 +769,6 @@ def _kernel(
     def chunk_slots(chunk):
         return slots_smem.at[wg, chunk]
 
-    # The sink opens the running max and sum: an empty row then gives acc = 0 and l = 1 (or
-    # l = 0 for a −inf sink, guarded at the end), never NaN. Only split 0 has the sink (the
-    # others get −inf, so l starts at 0).
-    sink = plgpu.load(sink_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-    m0 = jnp.maximum(sink, -1e30)
-    denom0 = jnp.exp2(sink - m0)
-    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
-
     def attend(chunk, parity, carry):
         """QK^T, the logit exchange, the online softmax and PV for the chunk now in `dst`."""
         acc, m, denom = carry
@@ -553,42 +786,23 @@ def _kernel(
         plgpu.barrier_wait(exchange_barrier)
         s_other = plgpu.load(s_smem.at[parity, 1 - wg], layout=plgpu.Layout.WGMMA)
         s = s_own + s_other  # a + b == b + a: both warpgroups get the same logits
-        slots = plgpu.load(chunk_slots(chunk), layout=plgpu.Layout.WGMMA.reduce(0))
-        valid = lax.broadcast_in_dim(slots >= 0, s.shape, [1])
-        s = jnp.where(valid, s * logit_scale, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        denom = denom * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-        p16 = p.astype(jnp.bfloat16)
+        p16, acc, m, denom = _softmax_step(s, chunk_slots(chunk), acc, m, denom, logit_scale)
         if interpret:
-            # The interpreter runs neither `run_state` nor a wgmma with A in registers: stage P
-            # in shared memory and add a fresh product instead.
-            p_smem[wg] = p16
-            plgpu.commit_smem()
-
-            def pv_fresh(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem.at[wg], dst)
-                return acc_ref[...]
-
-            return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32)), m_new, denom
+            return _pv_in_interpreter(acc, p16, p_smem.at[wg], dst), m, denom
 
         def pv(acc_ref):  # accumulates onto acc in place; run_state awaits it on exit
             plgpu.wgmma(acc_ref, p16, dst)
 
-        return pl.run_state(pv)(plgpu.ACC.init(acc)), m_new, denom
+        return pl.run_state(pv)(plgpu.ACC.init(acc)), m, denom
 
     def window_step(c, carry):
         dequant.window(win_rows, chunk_slots(c), dst)
         acc, m, denom, raw = carry
         return (*attend(c, c % 2, (acc, m, denom)), raw)
 
-    # This split's chunks [lo, hi) of the window-then-top-k list, as a window range and a top-k
-    # range; consecutive chunks alternate parity across the two loops.
-    n_chunks = n_window_chunks + n_topk_chunks
-    lo, hi = split * n_chunks // splits, (split + 1) * n_chunks // splits
+    # The split's chunks [lo, hi) as a window range and a top-k range; consecutive chunks
+    # alternate parity across the two loops.
+    lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
     w_lo, w_hi = jnp.minimum(lo, n_window_chunks), jnp.minimum(hi, n_window_chunks)
     k_lo = jnp.maximum(lo, n_window_chunks) - n_window_chunks
     k_hi = jnp.maximum(hi, n_window_chunks) - n_window_chunks
@@ -605,26 +819,24 @@ def _kernel(
         return (*attend(chunk, chunk % 2, (acc, m, denom)), raw_next)
 
     first = n_window_chunks + jnp.minimum(k_lo, n_topk_chunks - 1)  # always a real chunk
+    acc0, m0, denom0 = _open_softmax(sink_smem.at[wg], half)
     carry = (acc0, m0, denom0, dequant.load(kv_rows, chunk_slots(first)))
     carry = lax.fori_loop(w_lo, w_hi, window_step, carry)
     acc, m, denom, _ = lax.fori_loop(k_lo, k_hi, topk_step, carry)
-
-    out = acc / lax.broadcast_in_dim(jnp.where(denom > 0, denom, 1.0), acc.shape, [0])
-    q_smem[wg] = out.astype(jnp.bfloat16)  # q is no longer read: reuse its buffer
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(
-        q_smem.at[wg], o_ref.at[b, split, heads, pl.ds(wg * half, half)], commit_group=False
+    # q is no longer read: its buffer takes the output.
+    _write_output(
+        acc,
+        m,
+        denom,
+        q_smem.at[wg],
+        o_ref,
+        lse_ref,
+        lse_smem,
+        b=b,
+        split=split,
+        heads=heads,
+        splits=splits,
     )
-    if splits > 1:  # the combine weighs the splits by their log2-sum-exp (both wgs hold it)
-
-        @pl.when(wg == 0)
-        def _():
-            lse_smem[...] = m + jnp.log2(denom)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, heads], commit_group=False)
-
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
 
 
 def _round_up(n: int, k: int) -> int:
@@ -706,20 +918,44 @@ def fp4_sparse_attention_mgpu(
     if n_window == 0:
         window_packed = jnp.zeros((batch, 1, geometry.window_row_bytes), jnp.uint8)
 
-    dequant = _ptx_dequant(geometry) if dequant_kind == "ptx" else _jnp_dequant(geometry)
-    kernel = functools.partial(
-        _kernel,
+    make_dequant = _ptx_dequant if dequant_kind == "ptx" else _jnp_dequant
+    half = geometry.half
+    n_chunks = slots.shape[1]
+    statics = dict(
         geometry=geometry,
         n_window_chunks=n_window_chunks,
         n_topk_chunks=n_topk_chunks,
         splits=splits,
         logit_scale=scale * _LOG2E,
-        dequant=dequant,
-        prefetch=config.prefetch,
         interpret=interpret,
     )
-    half = geometry.half
-    n_chunks = slots.shape[1]
+    # Shared memory (D = 512, 10 chunks): q 64 KB, then keys 128 KB (two tiles) or keys 64 KB
+    # and the logit exchange 64 KB (the first kernel), the slots 7.5 or 5 KB.
+    if config.kernel == "specialized":
+        dequant = tuple(make_dequant(geometry, h) for h in range(2))
+        kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
+        warpgroups = 3
+        middle = [
+            plgpu.SMEM((2, 2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
+            plgpu.SMEM((3, n_chunks, BLOCK_KV), jnp.int32),
+        ]
+        barriers = [
+            plgpu.Barrier(num_barriers=9),
+            plgpu.Barrier(num_barriers=2),  # full: the producer's 128 threads arrive
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # empty: both consumers
+            plgpu.Barrier(num_arrivals=2),  # done
+        ]
+    else:
+        kernel = functools.partial(
+            _exchange_kernel, dequant=make_dequant(geometry), prefetch=config.prefetch, **statics
+        )
+        warpgroups = 2
+        middle = [
+            plgpu.SMEM((2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
+            plgpu.SMEM((2, 2, BLOCK_HEADS, BLOCK_KV), jnp.float32, transforms=_F32_TILE),
+            plgpu.SMEM((2, n_chunks, BLOCK_KV), jnp.int32),
+        ]
+        barriers = [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2)]
     out, lse = plgpu.kernel(
         kernel,
         out_type=(
@@ -728,17 +964,14 @@ def fp4_sparse_attention_mgpu(
         ),
         grid=(batch, heads // BLOCK_HEADS, splits),
         grid_names=("b", "g", "split"),
-        num_threads=2,
+        num_threads=warpgroups,
         thread_name="wg",
         scratch_types=[
             plgpu.SMEM((2, BLOCK_HEADS, half), jnp.bfloat16, transforms=_TILE),
-            plgpu.SMEM((2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
-            plgpu.SMEM((2, 2, BLOCK_HEADS, BLOCK_KV), jnp.float32, transforms=_F32_TILE),
-            plgpu.SMEM((2, n_chunks, BLOCK_KV), jnp.int32),
+            *middle,
             plgpu.SMEM((2, BLOCK_HEADS), jnp.float32),
             plgpu.SMEM((BLOCK_HEADS,), jnp.float32),
-            plgpu.Barrier(num_barriers=6),
-            plgpu.Barrier(num_arrivals=2),
+            *barriers,
             *([plgpu.SMEM((2, BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=_TILE)] * interpret),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),

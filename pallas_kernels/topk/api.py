@@ -9,8 +9,8 @@
   by one of three methods. The first two are made of XLA ops, not Pallas kernels (they run the
   same on the GPU and the CPU), and stand in the kernel routes where their scores are selected
   (pooled scoring with `topk`, the source scan's selections):
-  - 'blocks' (default): `blocks.topk`, the sort of the definition run over the best blocks of 8
-    by max only (recursively), a fraction of the scores;
+  - 'blocks': `blocks.topk`, the sort of the definition run over the best blocks of 8 by max
+    only (recursively), a fraction of the scores;
   - 'radix': `radix.threshold_topk`, radix select and compaction, no sort. Measured on the H200
     (BENCHMARKS.md, 2026-12-02): as fast as the sort at 16,384 scores (a chain of small
     kernels), 1.5× faster at 131,072.
@@ -18,10 +18,12 @@
     program per row (interpreted under 'pallas_interpret'), on the whole row where it has at
     most `kernel_triton.MAX_N` scores, else as the leaves of the selection through the best
     blocks. Compiled on the H200 (2026-12-04, BENCHMARKS.md): equal to the definition at 1-
-    and 2-bit passes, and with 2-bit passes 1.6× 'blocks' at 16,384 scores, 2.3× at 131,072;
-    not the default until the kernel routes' GPU tests have run with it.
+    and 2-bit passes, and with 2-bit passes 1.6× 'blocks' at 16,384 scores, 2.3× at 131,072.
   What they take: `supports` (not `neginf_picks='keep'` with a mask; 'kernel': rows or k·8 of
-  at most `kernel_triton.MAX_N`).
+  at most `kernel_triton.MAX_N`). The default (`default_method`): 'kernel' with 2-bit passes
+  under 'pallas' wherever it takes the call, else 'blocks'; 'blocks' under 'pallas_interpret'
+  (the Triton interpreter runs the kernel op by op: minutes on a CPU at a pool's size; the
+  tests run it interpreted on small rows). Every method makes the same picks.
 """
 
 from __future__ import annotations
@@ -36,6 +38,36 @@ from v41jax.ops.scoring import TopK
 
 METHODS = ("blocks", "radix", "kernel")
 """The kernel implementations' selections (module docstring)."""
+
+KERNEL_DIGIT_BITS = 2
+"""The kernel's bits per counting pass by default: the fastest measured on the H200
+(BENCHMARKS.md, 2026-12-04: 43 µs at 16,384 scores × 64 rows; 4-bit passes compile slowly)."""
+
+
+def default_method(
+    implementation: str,
+    *,
+    masked: bool = False,
+    neginf_picks: str = "drop",
+    n_pos: int = 1,
+    k: int = 1,
+) -> tuple[str, int]:
+    """The `(method, digit_bits)` a call of `topk` without them runs (module docstring): the
+    kernel where `implementation` is 'pallas' and the kernel `supports` the call, else 'blocks'
+    (whose digit_bits are unused)."""
+    dispatch.check_implementation(implementation)
+    kernel = ("kernel", KERNEL_DIGIT_BITS)
+    if implementation == "pallas" and supports(
+        implementation,
+        masked=masked,
+        neginf_picks=neginf_picks,
+        n_pos=n_pos,
+        k=k,
+        method=kernel[0],
+        digit_bits=kernel[1],
+    ):
+        return kernel
+    return "blocks", 4
 
 
 def supports(
@@ -94,18 +126,19 @@ def topk(
     tie_order: str = "oldest",
     neginf_picks: str = "drop",
     implementation: str = "xla",
-    method: str = "blocks",
-    digit_bits: int = 4,
+    method: str | None = None,
+    digit_bits: int | None = None,
 ) -> TopK:
     """`ops.scoring.topk(scores, k, mask, tie_order=..., neginf_picks=...)` by `implementation`.
 
     Args:
       scores, k, mask, tie_order, neginf_picks: as `ops.scoring.topk` (its checks and errors).
       implementation: 'xla' | 'pallas' | 'pallas_interpret' (module docstring).
-      method: the kernel implementations' selection, 'blocks' | 'radix' | 'kernel' (module
-        docstring).
+      method: the kernel implementations' selection, 'blocks' | 'radix' | 'kernel', or None:
+        `default_method`'s (module docstring).
       digit_bits: key bits each counting pass of the radix select decides (`radix.DIGIT_BITS`,
-        `kernel_triton.DIGIT_BITS` for 'kernel'; fewer bits: more passes, fewer counts each).
+        `kernel_triton.DIGIT_BITS` for 'kernel'; fewer bits: more passes, fewer counts each);
+        None: 4, or `default_method`'s with the default method.
 
     Returns:
       `TopK(indices [..., k] int32 ascending then −1, scores [..., k] float32)`, equal to the
@@ -117,6 +150,17 @@ def topk(
     scores, k, mask, tie_order, neginf_picks = scoring.check_topk_args(
         scores, k, mask, tie_order, neginf_picks
     )
+    if method is None:
+        method, default_bits = default_method(
+            implementation,
+            masked=mask is not None,
+            neginf_picks=neginf_picks,
+            n_pos=scores.shape[-1],
+            k=k,
+        )
+        digit_bits = default_bits if digit_bits is None else digit_bits
+    elif digit_bits is None:
+        digit_bits = 4
     supported = supports(
         implementation,
         masked=mask is not None,

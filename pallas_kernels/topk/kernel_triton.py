@@ -130,7 +130,9 @@ def select(
     interpret: bool = False,
 ) -> TopK:
     """`scoring.topk(scores, k, tie_order=tie_order)` (no mask, −inf picks dropped) bit for
-    bit, one program per row (module docstring); what it takes: `supports`.
+    bit, one program per row (module docstring); what it takes: `supports`. Differentiable in
+    `scores` as the definition is: a pick's score carries its position's tangent, a −1 slot
+    none (`_select`'s JVP; the kernel itself has no derivative).
 
     Returns `TopK(indices [..., k] ascending then −1, scores [..., k] float32, −inf at −1)`.
     """
@@ -141,8 +143,16 @@ def select(
     rows = int(np.prod(batch, dtype=np.int64))
     if rows == 0:  # no program to run (a grid of 0 is not a call)
         return TopK(jnp.zeros((*batch, k), jnp.int32), jnp.zeros((*batch, k), jnp.float32))
-    n_pad = pl.next_power_of_2(n)
     flat = scores.astype(jnp.float32).reshape(rows, n)
+    indices, values = _select(flat, k, tie_order, digit_bits, interpret)
+    return TopK(indices.reshape(*batch, k), values.reshape(*batch, k))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _select(flat, k: int, tie_order: str, digit_bits: int, interpret: bool):
+    """The kernel over rows [rows, n]: (indices [rows, k], scores [rows, k])."""
+    rows, n = flat.shape
+    n_pad = pl.next_power_of_2(n)
     if n_pad != n:
         flat = jnp.pad(flat, ((0, 0), (0, n_pad - n)), constant_values=-jnp.inf)
     kernel = functools.partial(
@@ -162,4 +172,16 @@ def select(
         interpret=interpret,
         name="topk_radix_select",
     )(flat)
-    return TopK(indices[:, :k].reshape(*batch, k), values[:, :k].reshape(*batch, k))
+    return indices[:, :k], values[:, :k]
+
+
+@_select.defjvp
+def _select_jvp(k, tie_order, digit_bits, interpret, primals, tangents):
+    """A pick's score moves with its position's score (the picks themselves are piecewise
+    constant); −1 slots (−inf scores, no position) have a zero tangent, as in the definition."""
+    (flat,), (d_flat,) = primals, tangents
+    indices, values = _select(flat, k, tie_order, digit_bits, interpret)
+    picked = jnp.take_along_axis(d_flat, jnp.maximum(indices, 0), axis=-1)
+    d_values = jnp.where(indices >= 0, picked, jnp.zeros_like(picked))
+    d_indices = np.zeros(indices.shape, jax.dtypes.float0)
+    return (indices, values), (d_indices, d_values)
