@@ -8,8 +8,10 @@ fresh random data).
     PYTHONPATH=. python3 experiments/bench_kernels.py --out experiments/results/bench_kernels.json \
         --parts topk source_scan --resume
 
-The whole run takes about 13 minutes on the H200 (2026-12-04: the first three parts 9.5), more
-than one device call: `--parts` splits it, `--resume` adds parts to the report at `--out`. The
+The whole run is more than one device call's 10 minutes on the H200 (2026-12-04: the ceilings,
+pooled scoring, attention and part of the top-k took 570 s; the top-k and the source scan 4
+minutes in the next call): `--parts` splits it, `--resume` adds parts to the report at `--out`
+(`scripts/h200.sh bench`, then `bench_rest`). The
 JSON is written after every timing; BENCHMARKS.md is the table written from it.
 """
 
@@ -30,7 +32,7 @@ from pallas_kernels.topk import bench as topk_bench
 PARTS = ("copy", "matmul", "pooled_scoring", "sparse_attention", "topk", "source_scan")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--iterations", type=int, default=10)
@@ -42,7 +44,7 @@ def main() -> None:
         action="store_true",
         help="add the parts to the report at --out, keeping its others",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report = {**_common.environment(), "host": platform.node()}
     if args.resume:
         if not args.out.exists():
@@ -101,6 +103,7 @@ def main() -> None:
         report["commits"][part] = report["commit"]
         save()
     print(json.dumps({k: report[k] for k in ("copy", "matmul") if k in report}, indent=1))
+    return report
 
 
 if __name__ == "__main__":

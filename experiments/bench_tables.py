@@ -22,12 +22,26 @@ def _context(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
+def _commits(report: dict) -> str:
+    """'Commit c' for a report of one process, or each commit with the parts measured at it (a
+    report that `bench_kernels.py --resume` completed over several calls), partial parts
+    named."""
+    commits = report.get("commits") or {}
+    if len(set(commits.values())) <= 1:
+        return f"Commit {report['commit']}"
+    by_commit: dict[str, list[str]] = {}
+    for part, commit in commits.items():
+        partial = isinstance(report.get(part), dict) and report[part].get("partial")
+        by_commit.setdefault(commit, []).append(part + (" (partial)" if partial else ""))
+    return "Commits " + "; ".join(f"{c} ({', '.join(parts)})" for c, parts in by_commit.items())
+
+
 def kernels(report: dict) -> str:
     copy, matmul = report["copy"], report["matmul"]
     lines = [
         f"Ceilings (same process): copy {copy['GBps']:,.0f} GB/s (read + written, "
         f"{copy['bytes'] / 2**30:.0f} GiB); bf16 matmul {matmul['TFLOPs']:.0f} TFLOP/s "
-        f"({matmul['n']}³). Commit {report['commit']}, {report['device']}, jax {report['jax']}.",
+        f"({matmul['n']}³). {_commits(report)}, {report['device']}, jax {report['jax']}.",
         "",
         "Pooled scoring (batch 64, 2048 blocks of 8, 32 heads × 128, MXFP4 keys, top-512):",
         "",
@@ -44,6 +58,18 @@ def kernels(report: dict) -> str:
             f"| {s['kernel_GBps']:,.0f} GB/s = {s['kernel_fraction_of_copy']:.0%} "
             f"| {c['speedup_vs_full_scan_topk']:.0f}× | {c['speedup_vs_xla_pool_topk']:.2f}× |"
         )
+    contexts = report["pooled_scoring"]["contexts"]
+    longest = max(contexts, key=int)
+    profile = sorted(contexts[longest]["pallas_topk"].get("kernels", []), key=lambda k: -k["ms"])[
+        :3
+    ]
+    if profile:
+        lines += [
+            "",
+            f"Kernel + top-k at {_context(int(longest))}, its longest device kernels: "
+            + ", ".join(f"{k['name']} {1000 * k['ms']:.1f} µs" for k in profile)
+            + ".",
+        ]
     att = report["sparse_attention"]
     lines += [
         "",

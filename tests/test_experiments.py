@@ -838,3 +838,34 @@ def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypa
         assert e["rest_ms"] == e["step"]["median_ms"] - sum(e["per_step_ms"].values())
         assert f"| {implementation} | {e['step']['median_ms']:.3f} ms |" in table, table
         assert f"| {e['indexer_stack_over_source_scan']:.2f} |" in table, table
+
+
+def test_bench_kernels_resumes_a_report_part_by_part(monkeypatch, tmp_path, capsys):
+    """`bench_kernels.py --parts ... --resume` adds parts to the report at --out and keeps the
+    others, each part with the commit it was measured at (BENCHMARKS.md's table names both);
+    a report of another device, or none, is refused by name."""
+    from experiments import _common, bench_kernels, bench_tables
+    from pallas_kernels import timing
+
+    monkeypatch.setattr(timing, "copy_ceiling", lambda: {"GBps": 4000.0, "bytes": 2**31})
+    monkeypatch.setattr(timing, "matmul_ceiling", lambda iterations: {"TFLOPs": 800.0, "n": 8192})
+    out = tmp_path / "report.json"
+    environment = {"jax": "x", "device": "H200", "commit": "aaaa"}
+    monkeypatch.setattr(_common, "environment", lambda: dict(environment))
+    first = bench_kernels.main(["--out", str(out), "--parts", "copy"])
+    assert "matmul" not in first and first["commits"] == {"copy": "aaaa"}
+    environment["commit"] = "bbbb"
+    second = bench_kernels.main(["--out", str(out), "--parts", "matmul", "--resume"])
+    assert second["copy"] == first["copy"] and second["matmul"]["TFLOPs"] == 800.0
+    assert second["commits"] == {"copy": "aaaa", "matmul": "bbbb"}
+    assert json.loads(out.read_text())["commits"] == second["commits"]
+    assert bench_tables._commits(second) == "Commits aaaa (copy); bbbb (matmul)"
+    assert bench_tables._commits(first) == "Commit aaaa"
+
+    environment["device"] = "H100"
+    with pytest.raises(SystemExit):
+        bench_kernels.main(["--out", str(out), "--parts", "matmul", "--resume"])
+    assert "measured on 'H200', this machine is 'H100'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_kernels.main(["--out", str(tmp_path / "none.json"), "--parts", "copy", "--resume"])
+    assert "--resume: no report at --out" in capsys.readouterr().err

@@ -9,6 +9,7 @@ never writes shows up as NaN); on a GPU (`-m gpu`) the same checks run compiled 
 """
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -247,3 +248,37 @@ def test_matches_reference_gpu(implementation, options, n_heads):
 def test_empty_pools_determinism_and_vjp_gpu(implementation, options):
     test_empty_pools_and_determinism(implementation, options, GPU_SHAPE)
     test_vjp_matches_reference(implementation, options, GPU_SHAPE)
+
+
+def test_sass_mix_counts_opcodes_and_what_a_variant_leaves_out(tmp_path):
+    """`pooled_scoring.sass` (NOTES.md's instruction counts) counts a `cuobjdump -sass`
+    listing by opcode, with predicates and modifiers stripped, and the full kernel minus a
+    variant per opcode; a listing without instructions is an error, not zero counts."""
+    from pallas_kernels.pooled_scoring import sass
+
+    full = """
+        Function : kernel
+        /*0000*/                   IMAD.SHL.U32 R25, R71, 0x1000, RZ ;   /* 0x000 */
+        /*0010*/                   LOP3.LUT R61, R27, 0xe000e00, R28, 0xf8, !PT ;
+        /*0020*/               @!P0 LOP3.LUT R1, R2, 0xff, RZ, 0xc0, !PT ;
+        /*0030*/                @P1 HMUL2 R40, R40, R27.reuse ;
+        /*0040*/                   BRA 0x40;
+    """
+    nodec = """
+        /*0000*/                   LOP3.LUT R61, R27, 0xe000e00, R28, 0xf8, !PT ;
+        /*0010*/                   BRA 0x10;
+        /*0020*/                   NOP;
+    """
+    assert sass.opcode_counts(full) == {"LOP3": 2, "IMAD": 1, "HMUL2": 1, "BRA": 1}
+    paths = {"none": tmp_path / "full.sass", "no_decode": tmp_path / "nodec.sass"}
+    paths["none"].write_text(full)
+    paths["no_decode"].write_text(nodec)
+    out = tmp_path / "mix.json"
+    report = sass.main(["--listing", *(f"{k}={v}" for k, v in paths.items()), "--out", str(out)])
+    assert report["none_minus_no_decode"] == {
+        "total": 2,
+        "opcodes": {"HMUL2": 1, "IMAD": 1, "LOP3": 1, "NOP": -1},
+    }
+    assert json.loads(out.read_text()) == report
+    with pytest.raises(ValueError, match="listing 'empty': no SASS instructions"):
+        sass.mix({"empty": "Function : kernel\n"})
