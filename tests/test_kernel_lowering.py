@@ -95,12 +95,21 @@ def test_pooled_scoring_lowers():
     lowers_to(score, *args, mosaic_gpu=1, triton=1)
 
 
-@pytest.mark.parametrize("reduce", ["max", "mean", "top2"])
-def test_the_candidate_source_lowers(reduce):
-    """The source scan's kernel routes: block maxima for 'max', scores then blocks otherwise."""
+@pytest.mark.parametrize(
+    ("reduce", "topk_blocks", "index_topk"),
+    [("max", 256, 512), ("max", 1024, 256), ("mean", 256, 512), ("top2", 256, 512)],
+)
+def test_the_candidate_source_lowers(reduce, topk_blocks, index_topk):
+    """The source scan's kernel routes: block maxima for 'max', scores then blocks otherwise;
+    'max' with index_topk < topk_blocks finds the best blocks among the pool's (a lax.cond
+    around top-k kernels)."""
     batch, n_pos, heads, dim = 2, 16_384 - 3, 32, 128
     scan = functools.partial(
-        candidate_source, topk_blocks=256, index_topk=512, reduce=reduce, implementation="pallas"
+        candidate_source,
+        topk_blocks=topk_blocks,
+        index_topk=index_topk,
+        reduce=reduce,
+        implementation="pallas",
     )
     args = (
         packed(batch, n_pos, dim, "mxfp4"),

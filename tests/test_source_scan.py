@@ -307,7 +307,9 @@ def check_max_route(seed, *, tie_order, equal_rows=False, **shape):
     ids = every_block(jnp.asarray(lengths), n_pos, 8)
     scores = kernel_mgpu.pooled_scores_mgpu(k_packed, q, weights, ids, lengths, **run)[:, :n_pos]
     n_blocks = ids.shape[1]
-    for topk_blocks, index_topk in ((0, 9), (5, 17), (n_blocks + 3, 8 * n_blocks + 5)):
+    # (12, 5): the best blocks found among the pool's (`_best_blocks`), as at V4.1's sizes.
+    cases = ((0, 9), (5, 17), (12, 5), (n_blocks + 3, 8 * n_blocks + 5))
+    for topk_blocks, index_topk in cases:
         rule = dict(
             topk_blocks=topk_blocks, index_topk=index_topk, reduce="max", tie_order=tie_order
         )
@@ -364,3 +366,47 @@ def test_the_block_max_kernel_reduces_the_kernels_scores_gpu():
 @pytest.mark.parametrize("tie_order", ["oldest", "newest"])
 def test_the_max_route_picks_what_the_kernels_scores_give_gpu(tie_order):
     check_max_route(9, tie_order=tie_order, batch=8, n_pos=16384 - 3, n_heads=32)
+
+
+@pytest.mark.parametrize("tie_order", ["oldest", "newest"])
+def test_the_best_blocks_come_from_the_pool_only_where_it_holds_them(tie_order):
+    """The max route's best blocks by raw maximum (`_best_blocks`) equal a top-k over every
+    block: on tied and −inf maxima from the pool's blocks, and where the pool's capped order
+    is not the raw one (maxima of +inf beside float32's largest, which the cap ties) or a
+    maximum is NaN, from every block again. The +inf case fails without that guard: the pool
+    keeps the oldest (newest) of the tied capped blocks, not the +inf ones."""
+    from pallas_kernels.source_scan.api import _best_blocks, _pool_blocks
+    from v41jax.ops.scoring import topk
+
+    select = functools.partial(topk, tie_order=tie_order)
+    rng = np.random.default_rng(5)
+    big = np.finfo(np.float32).max
+    cases = []
+    for _ in range(20):  # ties (4 values), −inf blocks, ragged rows
+        m = rng.integers(0, 4, (3, 40)).astype(np.float32)
+        m[rng.random(m.shape) < 0.2] = -np.inf
+        cases.append((m, np.array([320, 150, 0])))
+    m = np.full((2, 40), big, np.float32)
+    m[:, [5, 30]] = np.inf  # raw order: these two first
+    cases.append((m, np.array([320, 320])))
+    m = rng.normal(size=(2, 40)).astype(np.float32)
+    m[0, 7] = np.nan
+    cases.append((m, np.array([320, 200])))
+    for maxima, lengths in cases:
+        maxima, lengths = jnp.asarray(maxima), jnp.asarray(lengths)
+        for topk_blocks, k in ((4, 2), (10, 3), (10, 9), (6, 6)):
+            pool_ids = _pool_blocks(maxima, lengths, topk_blocks, 8, tie_order, select, pin=True)
+            got = _best_blocks(maxima, pool_ids, k, tie_order, select)
+            want = select(maxima, k).indices
+            np.testing.assert_array_equal(got, want, err_msg=f"{topk_blocks=} {k=} {maxima}")
+            if k < topk_blocks and bool(jnp.all(maxima < jnp.inf)):
+                # Finite maxima: the picks come from the pool's blocks alone (a top-k over
+                # every block, here made wrong on purpose, is not what ran).
+                def wrong_over_every_block(x, k, *, tie_order, n=maxima.shape[-1]):
+                    picks = select(x, k)
+                    if x.shape[-1] == n:
+                        return picks._replace(indices=jnp.full_like(picks.indices, -1))
+                    return picks
+
+                got = _best_blocks(maxima, pool_ids, k, tie_order, wrong_over_every_block)
+                np.testing.assert_array_equal(got, want)
