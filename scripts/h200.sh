@@ -4,7 +4,8 @@
 #   bash scripts/h200.sh            # everything, results under $OUT
 #   bash scripts/h200.sh tests      # one stage: tests | bench | bench_rest | decode | throughput |
 #                                   # learning | ablations | kernels_quick (issue 16's first
-#                                   # checks, ~9 minutes)
+#                                   # checks, ~9 minutes) | route_check | decode_tests (issue
+#                                   # 16's open checks, a call each)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -70,6 +71,28 @@ if [[ $stage == kernels_quick ]]; then
     >/dev/null || status=1
   timeout -s INT 240 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_source_scan.py \
     tests/test_pooled_scoring.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" || status=1
+fi
+if [[ $stage == route_check ]]; then
+  # Issue 16's open checks after 2026-12-04 (third session), one call (guards total 570 s): the
+  # source-scan route at 1 M x 64 with its best blocks found among the pool's (1ab6e2a), the
+  # GPU tests of that route, the top-k kernel at 1 bit against 2 (the same count of block-wide
+  # reductions as a 2-bit pass with two counts packed per sum), and the SASS opcode mix of the
+  # block-max kernel in one command (pallas_kernels/pooled_scoring/NOTES.md).
+  timeout -s INT 200 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
+    --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
+  timeout -s INT 200 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_source_scan.py \
+    2>&1 | tee "$OUT/gpu_tests_source_scan.log" | tail -15 || status=1
+  timeout -s INT 100 "$PY" -m pallas_kernels.topk.bench --iterations 5 --datasets 1 \
+    --digit-bits 1 2 --shapes pool_slots source_blocks --out "$OUT/bench_topk_h200.json" \
+    >/dev/null || status=1
+  timeout -s INT 70 "$PY" -m pallas_kernels.pooled_scoring.sass --out "$OUT/sass_mix.json" \
+    || status=1
+fi
+if [[ $stage == decode_tests ]]; then
+  # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took
+  # most of a 150 s guard (compiles), and the two greedy decodes did not finish in it.
+  timeout -s INT 560 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_decode_kernels.py \
+    2>&1 | tee "$OUT/gpu_tests_decode.log" | tail -15 || status=1
 fi
 if [[ $stage == all || $stage == throughput ]]; then
   "$PY" experiments/train_throughput.py --out "$OUT/train_throughput_h200.json" || status=1
