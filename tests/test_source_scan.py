@@ -382,7 +382,7 @@ def test_the_best_blocks_come_from_the_pool_only_where_it_holds_them(tie_order):
     rng = np.random.default_rng(5)
     big = np.finfo(np.float32).max
     cases = []
-    for _ in range(20):  # ties (4 values), −inf blocks, ragged rows
+    for _ in range(6):  # ties (4 values), −inf blocks, ragged rows
         m = rng.integers(0, 4, (3, 40)).astype(np.float32)
         m[rng.random(m.shape) < 0.2] = -np.inf
         cases.append((m, np.array([320, 150, 0])))
