@@ -23,7 +23,8 @@ if [[ $stage == all || $stage == tests ]]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >>"$OUT/gpu_tests.log"
 fi
 # The kernel benchmark is more than one call's 10 minutes: `bench` (ceilings, pooled scoring,
-# attention: about 8 minutes), then `bench_rest` (top-k, source scan: about 4) in the next call,
+# attention: under the 570 s that they and part of the top-k took on 2026-12-04), then
+# `bench_rest` (top-k, source scan: 243 s that day) in the next call,
 # which adds them to the report the first left on this machine (runs/, kept while it stays warm;
 # REPORT=a committed bench_kernels JSON resumes that one instead).
 bench_report=runs/bench_kernels_h200.json
