@@ -8,17 +8,31 @@ overstate small kernels 2–5× (DESIGN §6): never use them for kernels.
 
 `copy_ceiling` and `matmul_ceiling` are the two numbers every kernel figure is read against.
 GPU only: CUPTI is not available on the CPU.
+
+CUPTI does not time the kernels of a conditional that XLA records into a CUDA graph (a
+`lax.cond`, such as the source-scan route's guard): they come back at 0 ms, and back-to-back
+calls report them out of order (the H200, 2026-12-04). Importing this module therefore asks XLA
+to run conditionals from the host (`NO_GRAPH_CONDITIONALS` in XLA_FLAGS, read when the GPU
+backend starts), and every timing refuses a call that reports a 0 ms kernel or a graph
+conditional, rather than summing a time that leaves kernels out.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import traceback
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+NO_GRAPH_CONDITIONALS = "--xla_gpu_enable_command_buffer=-CONDITIONAL,-WHILE"
+if NO_GRAPH_CONDITIONALS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_GRAPH_CONDITIONALS}".strip()
+# The kernel XLA launches to pick a graph conditional's branch (its branches go untimed).
+_GRAPH_CONDITIONAL = "set_case_condition"
 
 
 def measure(fn: Callable, datasets: Sequence[tuple], iterations: int = 10) -> tuple[dict, object]:
@@ -50,7 +64,21 @@ def measure(fn: Callable, datasets: Sequence[tuple], iterations: int = 10) -> tu
 
 
 def _summary(calls: list[list[tuple[str, float]]]) -> dict:
-    """`measure`'s timing dict from the (kernel name, ms) list of every timed call."""
+    """`measure`'s timing dict from the (kernel name, ms) list of every timed call.
+
+    Raises:
+      RuntimeError: a call reported a graph conditional or a 0 ms kernel (kernels CUPTI did not
+        time; the module docstring says why, and how it is avoided)."""
+    for kernels in calls:
+        untimed = [name for name, ms in kernels if ms <= 0 or name == _GRAPH_CONDITIONAL]
+        if untimed:
+            raise RuntimeError(
+                f"measure: CUPTI did not time {len(untimed)} of the call's {len(kernels)} "
+                f"kernels ({', '.join(sorted(set(untimed))[:4])}): a conditional or loop ran "
+                f"inside a CUDA graph. Start the process with XLA_FLAGS containing "
+                f"{NO_GRAPH_CONDITIONALS!r} (importing pallas_kernels.timing before the GPU "
+                f"backend starts does it)."
+            )
     totals = [sum(ms for _, ms in kernels) for kernels in calls]
     longest = [max(ms for _, ms in kernels) for kernels in calls]
     mosaic = [sum(ms for name, ms in kernels if "mosaic_gpu" in name) for kernels in calls]

@@ -4,8 +4,8 @@
 #   bash scripts/h200.sh            # everything, results under $OUT
 #   bash scripts/h200.sh tests      # one stage: tests | bench | bench_rest | decode | throughput |
 #                                   # learning | ablations | kernels_quick (issue 16's first
-#                                   # checks, ~9 minutes) | route_check | decode_tests (issue
-#                                   # 16's open checks, a call each)
+#                                   # checks, ~9 minutes) | route_check | decode_tests |
+#                                   # scan_check (issue 16's open checks, a call each)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -88,6 +88,21 @@ if [[ $stage == route_check ]]; then
     >/dev/null || status=1
   timeout -s INT 70 "$PY" -m pallas_kernels.pooled_scoring.sass --out "$OUT/sass_mix.json" \
     || status=1
+fi
+if [[ $stage == scan_check ]]; then
+  # After route_check (2026-12-04, fourth session): the route timed with its guard's branch
+  # counted (pallas_kernels/timing.py: conditionals out of CUDA graphs), the route's tuning
+  # (source_scan.api.SCAN_CONFIG) against the kernel's default at three contexts, and the GPU
+  # tests of the timer and of the route under that tuning. Guards total 560 s.
+  timeout -s INT 160 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
+    --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
+  for n in 65536 262144 1048576; do
+    timeout -s INT 80 "$PY" -m pallas_kernels.source_scan.bench --tune --skip-ablations \
+      --contexts $n --tune-configs 32x4 32x2 16x4 16x2 --out "$OUT/tune_source_scan_$n.json" \
+      >/dev/null || status=1
+  done
+  timeout -s INT 160 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_timing.py \
+    tests/test_source_scan.py 2>&1 | tee "$OUT/gpu_tests_scan.log" | tail -12 || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

@@ -30,6 +30,10 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Before any test starts the GPU backend: the device timer keeps conditionals out of CUDA graphs,
+# whose kernels CUPTI does not time (its docstring), for the GPU tests that time.
+from pallas_kernels import timing  # noqa: F401
+
 settings.register_profile(
     "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -3,6 +3,7 @@ call launched, and that a benchmark's failed timing is recorded, not raised. The
 needs CUPTI on a GPU (the benchmarks)."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import timing
@@ -24,6 +25,23 @@ def test_summary_of_the_timed_calls():
         {"name": "sort", "ms": 0.25},
     ]
     assert "mosaic_kernel_ms" not in timing._summary([[("fusion", 1.0)]])
+
+
+@pytest.mark.parametrize(
+    "untimed",
+    [("set_case_condition", 0.002), ("topk_radix_select", 0.0)],
+    ids=["graph_conditional", "zero_ms_kernel"],
+)
+def test_a_call_with_untimed_kernels_is_refused(untimed):
+    calls = [[("fusion", 1.0)], [("fusion", 1.0), untimed]]
+    with pytest.raises(RuntimeError, match=f"did not time 1 of the call's 2 kernels.*{untimed[0]}"):
+        timing._summary(calls)
+
+
+def test_importing_the_timer_keeps_conditionals_out_of_cuda_graphs():
+    import os
+
+    assert timing.NO_GRAPH_CONDITIONALS in os.environ["XLA_FLAGS"]
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="times on a GPU")
@@ -55,3 +73,19 @@ def test_the_chain_times_a_donating_step_gpu():
     got, state = timing.measure_chain(_donating_step(), jax.numpy.zeros(1 << 20), steps=3)
     assert got["runs"] == 3 and all(ms > 0 for ms in got["times_ms"])
     assert float(state[0]) == 4.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU as jax's default backend")
+def test_a_conditional_branch_is_timed_gpu():
+    """The source-scan route's guard is a `lax.cond`: the branch it takes must be in the sum
+    (on 2026-12-04, inside a CUDA graph, CUPTI gave its kernels 0 ms)."""
+
+    def guarded(x):
+        return jax.lax.cond(jnp.all(x < jnp.inf), lambda x: jnp.sort(x)[::-1], jnp.sort, x)
+
+    x = jax.random.normal(jax.random.key(0), (1 << 22,))
+    got, out = timing.measure(guarded, [(x,)], iterations=3)
+    assert got["runs"] == 3
+    assert any("sort" in k["name"] and k["ms"] > 0 for k in got["kernels"]), got["kernels"]
+    assert float(out[0]) == float(x.max())

@@ -76,6 +76,12 @@ def every_block(lengths: Int[Array, " batch"], n_pos: int, block_size: int) -> I
     return jnp.where(ids < visible_blocks[:, None], ids, -1)
 
 
+# The route's tuning of the pooled-scoring kernel. Over every block, 32 tiles × 2 stages beat that
+# kernel's default (32 × 4) by 2.5–2.9 % at 64 K, 256 K and 1 M keys × batch 64 on the H200
+# (`bench --tune --skip-ablations`, results/tune_source_scan_h200_2026-12-04_contexts*.json).
+SCAN_CONFIG = kernel_mgpu.TuningConfig(tiles_per_cta=32, num_stages=2)
+
+
 def candidate_source(
     k_packed: UInt8[Array, "batch seq row_bytes"],
     q: Float[Array, "batch heads dim"],
@@ -103,7 +109,7 @@ def candidate_source(
       block_size: positions per block; fmt: packed format of `k_packed`.
       reduce: the block reducer ('max' | 'mean' | 'top2', or a `ops.pool.BlockReducer`).
       implementation: 'xla' | 'pallas' | 'pallas_interpret' (`pallas_kernels.dispatch`).
-      config: tuning of the pooled-scoring kernel (default `kernel_mgpu.TuningConfig()`).
+      config: tuning of the pooled-scoring kernel (default `SCAN_CONFIG`).
       score_dtype: 'float32' | 'bfloat16' (the kernel route: float32, `supports`).
       tie_order: 'oldest' | 'newest', for the blocks and the positions.
 
@@ -140,7 +146,7 @@ def candidate_source(
     words = kernel_mgpu.packed_words(k_packed)  # once: it copies a cache of S % 8 != 0
     kernel = dict(
         n_pos=n_pos,
-        config=config or kernel_mgpu.TuningConfig(),
+        config=config or SCAN_CONFIG,
         interpret=dispatch.interpret(implementation),
     )
     blocks = every_block(lengths, n_pos, block_size)

@@ -125,7 +125,7 @@ def run(
 
         def kernel_only(k_packed, q, weights, lengths, n_pos=n_pos, *, fn):
             ids = api.every_block(lengths, n_pos, BLOCK_SIZE)
-            return fn(k_packed, q, weights, ids, lengths)
+            return fn(k_packed, q, weights, ids, lengths, config=api.SCAN_CONFIG)
 
         # The definition first: its number survives a kernel failure.
         scan = functools.partial(pool.candidate_source_scan, **select)
@@ -176,11 +176,13 @@ def tune(
     iterations: int = 10,
     copy_gbps: float | None = None,
     progress: Callable[[dict], None] | None = None,
+    ablations: tuple[str, ...] = ABLATIONS,
 ) -> dict:
     """The 'max' route's kernel (`pooled_block_max_mgpu` over every block) under each tuning in
-    `configs`, then, under the default tuning, its leave-one-out variants (`ABLATIONS`: without
-    the refills after the prologue, without the FP4 decode; wrong results, timing only), which
-    say what limits it. One data set of `n_pos` keys × `batch` queries (4.5 GB at 1 M × 64)."""
+    `configs`, then, under the route's tuning (`api.SCAN_CONFIG`), the plain kernel and its
+    leave-one-out variants (`ablations`, none for (): without the refills after the prologue,
+    without the FP4 decode; wrong results, timing only), which say what limits it. One data
+    set of `n_pos` keys × `batch` queries (4.5 GB at 1 M × 64)."""
     copy = {"GBps": copy_gbps} if copy_gbps else timing.copy_ceiling()
     rows = batch * n_pos * formats.packed_row_bytes("mxfp4", dim)
     n_bytes = rows + batch * (n_heads * dim * 4 + n_heads * 4 + 4 + n_pos // BLOCK_SIZE * 4)
@@ -194,7 +196,7 @@ def tune(
         "dim": dim,
         "bytes": n_bytes,
         "copy": copy,
-        "default": dataclasses.asdict(kernel_mgpu.TuningConfig()),
+        "default": dataclasses.asdict(api.SCAN_CONFIG),
         "configs": {},
         "ablations": {},
     }
@@ -208,7 +210,8 @@ def tune(
         )
 
     runs = [("configs", f"{c.tiles_per_cta}x{c.num_stages}", c, None) for c in configs]
-    runs += [("ablations", a, kernel_mgpu.TuningConfig(), a) for a in (None, *ABLATIONS)]
+    if ablations:
+        runs += [("ablations", a, api.SCAN_CONFIG, a) for a in (None, *ablations)]
     for group, name, config, ablation in runs:
         fn = jax.jit(functools.partial(block_max, config=config, ablation=ablation))
         timing.record(
@@ -236,6 +239,11 @@ def main() -> None:
         help="with --tune: these tunings (e.g. 32x4 16x2) instead of the whole grid",
     )
     parser.add_argument(
+        "--skip-ablations",
+        action="store_true",
+        help="with --tune: the tunings only, not the leave-one-out variants",
+    )
+    parser.add_argument(
         "--tune",
         action="store_true",
         help="time the 'max' route's kernel under each tuning and its leave-one-out variants "
@@ -256,6 +264,7 @@ def main() -> None:
             configs=configs,
             iterations=args.iterations,
             progress=save,
+            ablations=() if args.skip_ablations else ABLATIONS,
         )
         save(result)
         print(json.dumps(result, indent=1))

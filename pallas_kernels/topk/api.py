@@ -20,7 +20,7 @@
     blocks. Compiled on the H200 (2026-12-04, BENCHMARKS.md): equal to the definition at 1-
     and 2-bit passes, and with 2-bit passes 1.6× 'blocks' at 16,384 scores, 2.3× at 131,072.
   What they take: `supports` (not `neginf_picks='keep'` with a mask; 'kernel': rows or k·8 of
-  at most `kernel_triton.MAX_N`). The default (`default_method`): 'kernel' with 2-bit passes
+  at most `kernel_triton.MAX_N`). The default (`default_method`): 'kernel' with 1-bit passes
   under 'pallas' wherever it takes the call, else 'blocks'; 'blocks' under 'pallas_interpret'
   (the Triton interpreter runs the kernel op by op: minutes on a CPU at a pool's size; the
   tests run it interpreted on small rows). Every method makes the same picks.
@@ -39,9 +39,11 @@ from v41jax.ops.scoring import TopK
 METHODS = ("blocks", "radix", "kernel")
 """The kernel implementations' selections (module docstring)."""
 
-KERNEL_DIGIT_BITS = 2
+KERNEL_DIGIT_BITS = 1
 """The kernel's bits per counting pass by default: the fastest measured on the H200
-(BENCHMARKS.md, 2026-12-04: 43 µs at 16,384 scores × 64 rows; 4-bit passes compile slowly)."""
+(results/bench_topk_h200_2026-12-04_bits12.json: 1-bit passes 0.036 ms against 2-bit 0.043 ms
+at 16,384 scores, 0.108 against 0.141 ms at 131,072, × 64 rows; 4-bit passes compile slowly).
+A 2-bit pass makes 3 block-wide counts where a 1-bit pass makes 1: twice the passes cost less."""
 
 
 def default_method(
