@@ -36,20 +36,17 @@ def _commits(report: dict) -> str:
     return "Commits " + "; ".join(f"{c} ({', '.join(parts)})" for c, parts in by_commit.items())
 
 
-def kernels(report: dict) -> str:
-    copy, matmul = report["copy"], report["matmul"]
+def pooled_scoring(part: dict) -> str:
+    """The pooled-scoring part of a kernel report, or a `pooled_scoring.bench` run: each context's
+    routes, then the longest kernels of the kernel with its top-k at the longest context."""
     lines = [
-        f"Ceilings (same process): copy {copy['GBps']:,.0f} GB/s (read + written, "
-        f"{copy['bytes'] / 2**30:.0f} GiB); bf16 matmul {matmul['TFLOPs']:.0f} TFLOP/s "
-        f"({matmul['n']}³). {_commits(report)}, {report['device']}, jax {report['jax']}.",
-        "",
         "Pooled scoring (batch 64, 2048 blocks of 8, 32 heads × 128, MXFP4 keys, top-512):",
         "",
         "| context | (a) score all, mask, top-k | (b) XLA gather + einsum + top-k | kernel + top-k "
         "| kernel, scores | Mosaic kernel alone | kernel BW / copy | vs (a) | vs (b) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for n, c in sorted(report["pooled_scoring"]["contexts"].items(), key=lambda kv: int(kv[0])):
+    for n, c in sorted(part["contexts"].items(), key=lambda kv: int(kv[0])):
         s, t = c["pallas_scores"], c["pallas_topk"]
         lines.append(
             f"| {_context(int(n))} | {c['full_scan_topk']['median_ms']:.3f} ms "
@@ -58,7 +55,7 @@ def kernels(report: dict) -> str:
             f"| {s['kernel_GBps']:,.0f} GB/s = {s['kernel_fraction_of_copy']:.0%} "
             f"| {c['speedup_vs_full_scan_topk']:.0f}× | {c['speedup_vs_xla_pool_topk']:.2f}× |"
         )
-    contexts = report["pooled_scoring"]["contexts"]
+    contexts = part["contexts"]
     longest = max(contexts, key=int)
     profile = sorted(contexts[longest]["pallas_topk"].get("kernels", []), key=lambda k: -k["ms"])[
         :3
@@ -70,6 +67,19 @@ def kernels(report: dict) -> str:
             + ", ".join(f"{k['name']} {1000 * k['ms']:.1f} µs" for k in profile)
             + ".",
         ]
+    return "\n".join(lines)
+
+
+def kernels(report: dict) -> str:
+    copy, matmul = report["copy"], report["matmul"]
+    lines = [
+        f"Ceilings (same process): copy {copy['GBps']:,.0f} GB/s (read + written, "
+        f"{copy['bytes'] / 2**30:.0f} GiB); bf16 matmul {matmul['TFLOPs']:.0f} TFLOP/s "
+        f"({matmul['n']}³). {_commits(report)}, {report['device']}, jax {report['jax']}.",
+        "",
+        pooled_scoring(report["pooled_scoring"]),
+    ]
+
     att = report["sparse_attention"]
     lines += [
         "",
@@ -151,6 +161,14 @@ def source_scan(report: dict) -> str:
             f"| {_kernel(c, 'pallas_block_max')} | {_kernel(c, 'pallas_scores')} "
             f"| {_ms(c, 'selections_xla')} | {_ms(c, 'selections_pallas')} |"
         )
+    longest = max(report["contexts"], key=int)
+    route = report["contexts"][longest].get("pallas_route", {}).get("kernels", [])
+    if big := [k for k in route if k["ms"] >= 0.005]:
+        lines += [
+            "",
+            f"Route, max, at {_context(int(longest))}: its kernels of 5 µs or more, in launch "
+            "order: " + ", ".join(f"{k['name']} {1000 * k['ms']:.1f} µs" for k in big) + ".",
+        ]
     return "\n".join(lines)
 
 
@@ -372,11 +390,17 @@ def main() -> None:
     parser.add_argument(
         "--tune", action="store_true", help="the paths are source_scan.bench --tune runs"
     )
+    parser.add_argument(
+        "--pooled", action="store_true", help="the paths are pooled_scoring.bench runs"
+    )
     args = parser.parse_args()
     reports = [json.loads(p.read_text()) for p in args.paths]
     if args.tune:
         for path, report in zip(args.paths, reports, strict=True):
             print(source_scan_tune(report, path) + "\n")
+    elif args.pooled:
+        for report in reports:
+            print(pooled_scoring(report))
     elif args.topk:
         for report in reports:
             print(topk(report))

@@ -11,6 +11,8 @@
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
 #                                   # across calls, running on between them (below)
 #   bash scripts/h200.sh scale_out  # issue 15 item 5, on the two-GPU machine (nvidia-h200-x2)
+# Put V41JAX_COMMIT=<local HEAD> before the command: the device copy's git metadata can stay at
+# the session's first commit while the tree is newer, and the reports record the commit.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder the results go to}

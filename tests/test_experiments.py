@@ -798,6 +798,7 @@ def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypa
 
     from experiments import bench_decode, bench_tables
     from pallas_kernels import timing
+    from pallas_kernels.pooled_scoring import bench as pooled_bench
     from pallas_kernels.source_scan import bench as scan_bench
     from pallas_kernels.topk import bench as topk_bench
 
@@ -805,7 +806,8 @@ def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypa
 
     def fake_timing():
         ms = float(next(clock))
-        return {"median_ms": ms, "mosaic_kernel_ms": ms / 2, "runs": 1}
+        kernels = [{"name": "mosaic", "ms": ms / 2}, {"name": "tiny", "ms": 0.001}]
+        return {"median_ms": ms, "mosaic_kernel_ms": ms / 2, "runs": 1, "kernels": kernels}
 
     monkeypatch.setattr(
         timing, "measure", lambda fn, datasets, iterations=10: (fake_timing(), None)
@@ -829,6 +831,20 @@ def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypa
     speedup = entry["xla_scan"]["median_ms"] / entry["pallas_route"]["median_ms"]
     assert f"| 64 | 5.000 ms | 6.000 ms | {speedup:.1f}× | 7.000 ms | 9.000 ms (" in table, table
     assert "| 8.000 ms (" in table and "| 10.000 ms | 11.000 ms |" in table, table
+    assert table.endswith(
+        "Route, max, at 64: its kernels of 5 µs or more, in launch order: mosaic 3000.0 µs."
+    ), table
+
+    pooled = pooled_bench.run(
+        contexts=(64,), batch=2, n_blocks=4, topk=8, n_heads=2, n_datasets=1, copy_gbps=1e3
+    )
+    table = bench_tables.pooled_scoring(pooled)
+    e = pooled["contexts"]["64"]
+    assert (
+        f"| 64 | {e['full_scan_topk']['median_ms']:.3f} ms | {e['xla_pool_topk']['median_ms']:.3f}"
+        f" ms | {e['pallas_topk']['median_ms']:.3f} ms | {e['pallas_scores']['median_ms']:.4f} ms"
+    ) in table, table
+    assert f"| {e['speedup_vs_full_scan_topk']:.0f}× |" in table, table
 
     argv = ["--contexts", "320", "--batch", "2", "--steps", "1", "--pool-blocks", "8"]
     report = bench_decode.main([*argv, "--index-topk", "16"])
