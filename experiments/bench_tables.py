@@ -405,8 +405,7 @@ def main() -> None:
         for report in reports:
             print(topk(report))
     elif args.source_scan:
-        for report in reports:
-            print(source_scan(report))
+        print("\n\n".join(source_scan(report) for report in reports))
     elif args.decode:
         for report in reports:
             print(decode(report))
