@@ -77,8 +77,9 @@ def every_block(lengths: Int[Array, " batch"], n_pos: int, block_size: int) -> I
 
 
 # The route's tuning of the pooled-scoring kernel. Over every block, 32 tiles × 2 stages beat that
-# kernel's default (32 × 4) by 2.5–2.9 % at 64 K, 256 K and 1 M keys × batch 64 on the H200
-# (`bench --tune --skip-ablations`, results/tune_source_scan_h200_2026-12-04_contexts*.json).
+# kernel's default (32 × 4) by 2.5–2.8 % at 64 K, 256 K and 1 M keys × batch 64 on the H200
+# (`bench --tune --skip-ablations`, results/tune_source_scan_h200_2026-12-04_contexts_*.json);
+# 16 × 4 was 1.7 % faster still at 64 K only.
 SCAN_CONFIG = kernel_mgpu.TuningConfig(tiles_per_cta=32, num_stages=2)
 
 
