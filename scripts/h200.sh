@@ -5,7 +5,8 @@
 #   bash scripts/h200.sh tests      # one stage: tests | bench | bench_rest | decode | throughput |
 #                                   # learning | ablations | kernels_quick (issue 16's first
 #                                   # checks, ~9 minutes) | route_check | decode_tests |
-#                                   # scan_check (issue 16's open checks, a call each)
+#                                   # scan_check (issue 16's open checks, a call each) |
+#                                   # early_exit_tests | early_exit_bench (the fifth session's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -105,6 +106,30 @@ if [[ $stage == scan_check ]]; then
   done
   timeout -s INT 160 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_timing.py \
     tests/test_source_scan.py 2>&1 | tee "$OUT/gpu_tests_scan.log" | tail -12 || status=1
+fi
+if [[ $stage == early_exit_tests ]]; then
+  # 2026-12-04 (fifth session), call 1: the radix-select kernel's search that stops once
+  # exactly k scores remain, and the block-max kernel over every block without ids
+  # (`block_ids=None`), compiled against the definitions (GPU tests of the top-k, the source
+  # scan and pooled scoring), then the top-k benchmark at 1-bit passes. Guards total 560 s.
+  timeout -s INT 150 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_topk_select.py \
+    2>&1 | tee "$OUT/gpu_tests_topk.log" | tail -8 || status=1
+  timeout -s INT 300 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_source_scan.py \
+    tests/test_pooled_scoring.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -14 || status=1
+  timeout -s INT 110 "$PY" -m pallas_kernels.topk.bench --iterations 5 --datasets 1 \
+    --digit-bits 1 --shapes pool_slots source_blocks --out "$OUT/bench_topk_h200.json" \
+    >/dev/null || status=1
+fi
+if [[ $stage == early_exit_bench ]]; then
+  # Call 2: what they gain. The source-scan route at 1 M x 64 (and the block-max kernel with
+  # its ids listed, the old mode, beside the new), pooled scoring with its top-k at 1 M, and
+  # the block-max kernel's SASS with and without ids. Guards total 560 s.
+  timeout -s INT 200 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
+    --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
+  timeout -s INT 200 "$PY" -m pallas_kernels.pooled_scoring.bench --contexts 1048576 \
+    --datasets 2 --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
+  timeout -s INT 160 "$PY" -m pallas_kernels.pooled_scoring.sass --out "$OUT/sass_mix.json" \
+    || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

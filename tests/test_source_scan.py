@@ -252,16 +252,15 @@ def block_max_of(scores):
 def check_block_max_kernel(seed, *, n_pos, n_heads, n_slots, config, interpret):
     """The block-max kernel's output = the block max of the scores kernel's output, bit for bit
     (NaN rows, −1 slots, ids past the cache, ragged lengths, an empty row); both the same with
-    whole-tile copies as block by block, and the scores those of the definition."""
+    whole-tile copies as block by block, and over every block (`block_ids=None`) as with
+    `every_block`'s ids; the scores those of the definition."""
     k_packed, q, weights, lengths = make_inputs(seed, batch=4, n_pos=n_pos, n_heads=n_heads)
     k_packed = with_nan_rows(k_packed, seed)
     run = dict(config=config, interpret=interpret)
     by_block = dict(config=dataclasses.replace(config, tile_copies=False), interpret=interpret)
     want = np.asarray(reference_scores(k_packed, q, weights, lengths))
-    for ids in (
-        every_block(jnp.asarray(lengths), n_pos, 8),
-        scattered_blocks(seed, lengths, n_pos, n_slots),
-    ):
+    every = every_block(jnp.asarray(lengths), n_pos, 8)
+    for ids in (every, scattered_blocks(seed, lengths, n_pos, n_slots)):
         scores = kernel_mgpu.pooled_scores_mgpu(k_packed, q, weights, ids, lengths, **run)
         maxima = kernel_mgpu.pooled_block_max_mgpu(k_packed, q, weights, ids, lengths, **run)
         assert maxima.shape == ids.shape
@@ -271,6 +270,8 @@ def check_block_max_kernel(seed, *, n_pos, n_heads, n_slots, config, interpret):
             (kernel_mgpu.pooled_block_max_mgpu, maxima),
         ):
             np.testing.assert_array_equal(fn(k_packed, q, weights, ids, lengths, **by_block), got)
+            if ids is every:
+                np.testing.assert_array_equal(fn(k_packed, q, weights, None, lengths, **run), got)
         positions = np.asarray(ids)[:, :, None] * 8 + np.arange(8)
         in_cache = (np.asarray(ids)[:, :, None] >= 0) & (positions < n_pos)
         expected = np.take_along_axis(want, np.where(in_cache, positions, 0).reshape(4, -1), 1)
@@ -371,10 +372,10 @@ def test_the_max_route_picks_what_the_kernels_scores_give_gpu(tie_order):
 @pytest.mark.parametrize("tie_order", ["oldest", "newest"])
 def test_the_best_blocks_come_from_the_pool_only_where_it_holds_them(tie_order):
     """The max route's best blocks by raw maximum (`_best_blocks`) equal a top-k over every
-    block: on tied and −inf maxima from the pool's blocks, and where the pool's capped order
-    is not the raw one (maxima of +inf beside float32's largest, which the cap ties) or a
-    maximum is NaN, from every block again. The +inf case fails without that guard: the pool
-    keeps the oldest (newest) of the tied capped blocks, not the +inf ones."""
+    block: on tied, −inf and NaN maxima from the pool's blocks, and where the pool's capped
+    order is not the raw one (maxima of +inf beside float32's largest, which the cap ties) from
+    every block again. The +inf case fails without that guard: the pool keeps the oldest
+    (newest) of the tied capped blocks, not the +inf ones."""
     from pallas_kernels.source_scan.api import _best_blocks, _pool_blocks
     from v41jax.ops.scoring import topk
 
@@ -392,6 +393,9 @@ def test_the_best_blocks_come_from_the_pool_only_where_it_holds_them(tie_order):
     m = rng.normal(size=(2, 40)).astype(np.float32)
     m[0, 7] = np.nan
     cases.append((m, np.array([320, 200])))
+    m = rng.normal(size=(2, 40)).astype(np.float32)
+    m[0, 12] = m[1, 24] = np.inf  # one +inf among finite maxima (row 1: the pinned block)
+    cases.append((m, np.array([320, 200])))
     for maxima, lengths in cases:
         maxima, lengths = jnp.asarray(maxima), jnp.asarray(lengths)
         for topk_blocks, k in ((4, 2), (10, 3), (10, 9), (6, 6)):
@@ -399,9 +403,10 @@ def test_the_best_blocks_come_from_the_pool_only_where_it_holds_them(tie_order):
             got = _best_blocks(maxima, pool_ids, k, tie_order, select)
             want = select(maxima, k).indices
             np.testing.assert_array_equal(got, want, err_msg=f"{topk_blocks=} {k=} {maxima}")
-            if k < topk_blocks and bool(jnp.all(maxima < jnp.inf)):
-                # Finite maxima: the picks come from the pool's blocks alone (a top-k over
-                # every block, here made wrong on purpose, is not what ran).
+            below_cap = jnp.isnan(maxima) | (maxima < big)
+            if k < topk_blocks and bool(jnp.all(below_cap)):
+                # No maximum the cap could change: the picks come from the pool's blocks alone
+                # (a top-k over every block, here made wrong on purpose, is not what ran).
                 def wrong_over_every_block(x, k, *, tie_order, n=maxima.shape[-1]):
                     picks = select(x, k)
                     if x.shape[-1] == n:

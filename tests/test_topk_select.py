@@ -258,6 +258,43 @@ def test_largest_threshold_against_a_count(digit_bits):
         assert int(got[row]) == want, (row, int(got[row]), want)
 
 
+@pytest.mark.parametrize("digit_bits", [1, 2, 4])
+def test_the_kernels_search_stops_once_exactly_need_values_remain(digit_bits):
+    """The radix-select kernel's digit search (`kernel_triton._search`, plain jnp outside a
+    kernel) against counts over every threshold: after each digit its t is the largest prefix
+    (a multiple of the digit's place) with at least `need` values ≥ it, and it stops at the
+    first such prefix with exactly `need`, its lower digits 0; on distinct values that is
+    before the last digit."""
+    rng = np.random.default_rng(10 + digit_bits)
+    n_bits = 12
+    cases = [  # (values, eligible, need)
+        (rng.permutation(2**n_bits)[:300], np.ones(300, bool), 17),  # distinct
+        (rng.integers(0, 40, 300), rng.random(300) < 0.8, 9),  # many ties
+        (np.full(50, 7), np.ones(50, bool), 3),  # one value everywhere
+        (rng.integers(0, 2**n_bits, 64), np.ones(64, bool), 64),  # need = every value
+    ]
+    for i, (values, eligible, need) in enumerate(cases):
+        t, count = kernel_triton._search(
+            jnp.asarray(values, jnp.int32),
+            jnp.asarray(eligible),
+            jnp.int32(need),
+            jnp.int32(eligible.sum()),
+            n_bits,
+            digit_bits,
+            np.int32(0),
+        )
+        counts = np.array([np.sum(eligible & (values >= u)) for u in range(2**n_bits)])
+        want = 0
+        if counts[0] != need:
+            for shift, _ in radix._digits(n_bits, digit_bits):
+                want = max(u for u in range(0, 2**n_bits, 2**shift) if counts[u] >= need)
+                if counts[want] == need:
+                    break
+        assert (int(t), int(count)) == (want, counts[want]), (i, int(t), want)
+        if i == 0:
+            assert counts[want] == need and want % 2**digit_bits == 0, want
+
+
 def test_the_kernel_routes_select_with_it(monkeypatch):
     """Pooled scoring's `topk` and the source scan's selections run the selection through the
     best blocks under the kernel implementations (not the definition's sort of every score),

@@ -319,14 +319,46 @@ def _kernel(
 ):
     b = lax.axis_index("batch")
     split = lax.axis_index("split")
-    plgpu.copy_gmem_to_smem(ids_hbm.at[b, split], ids_smem, meta_barrier)
+    if ids_hbm is not None:
+        plgpu.copy_gmem_to_smem(ids_hbm.at[b, split], ids_smem, meta_barrier)
     plgpu.copy_gmem_to_smem(q_hbm.at[b], q_smem, meta_barrier)
     plgpu.copy_gmem_to_smem(w_hbm.at[b], w_smem, meta_barrier)
     plgpu.copy_gmem_to_smem(lim_hbm.at[b], lim_smem, meta_barrier)
     plgpu.barrier_wait(meta_barrier)
+    limit = lim_smem[0]
 
     whole_blocks = interpret
     copies_per_block = 1 if whole_blocks else len(_COPIES)
+
+    if ids_hbm is None:
+        # Every block of the cache (`every_block` without its ids): slot i of tile t is block
+        # (split·n_tiles + t)·8 + i, listed while it holds a position < limit (−1 after).
+        first_of_cta = split * (n_tiles * TILE_BLOCKS)
+
+        def block_id(tile, i):
+            block = first_of_cta + tile * TILE_BLOCKS + i
+            return jnp.where(block * BLOCK_SIZE < limit, block, -1)
+
+        def whole_tile(tile):
+            """Whether the tile is 8 blocks of the cache holding visible positions (its first id
+            is a multiple of 8), and that first id."""
+            first = first_of_cta + tile * TILE_BLOCKS
+            # limit ≤ S: a block holding a position < limit lies in the cache.
+            return (first + TILE_BLOCKS - 1) * BLOCK_SIZE < limit, first
+
+    else:
+
+        def block_id(tile, i):
+            return ids_smem[tile, i]
+
+        def whole_tile(tile):
+            """Whether the tile's ids are 8 consecutive blocks in the cache from a multiple of 4,
+            and its first id."""
+            first = ids_smem[tile, 0]
+            whole = (first >= 0) & (lax.rem(first, 4) == 0) & (first + TILE_BLOCKS <= n_blocks)
+            for i in range(1, TILE_BLOCKS):
+                whole = whole & (ids_smem[tile, i] == first + i)
+            return whole, first
 
     def fetch_block(block, i, slot):
         """Starts the copy of block `block` into rows 8i..8i+7 of stage `slot`."""
@@ -385,18 +417,14 @@ def _kernel(
         full tile of the source scan, and such runs in a pool) is one copy instead (`tile_copies`,
         `fetch_tile`), issued by warp 0; the other warps arrive for the copies it replaces.
         """
-        whole = False
         if tile_copies:
-            first = ids_smem[tile, 0]
-            whole = (first >= 0) & (lax.rem(first, 4) == 0) & (first + TILE_BLOCKS <= n_blocks)
-            for i in range(1, TILE_BLOCKS):
-                whole = whole & (ids_smem[tile, i] == first + i)
+            whole, first = whole_tile(tile)
 
         def per_warp(warp):
             def by_block():
                 for i in range(TILE_BLOCKS):
                     pl.when(warp == i * 4 // TILE_BLOCKS)(
-                        functools.partial(fetch_block, ids_smem[tile, i], i, slot)
+                        functools.partial(fetch_block, block_id(tile, i), i, slot)
                     )
 
             if not tile_copies:
@@ -420,7 +448,6 @@ def _kernel(
         fetch(stage, stage)
 
     weights = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-    limit = lim_smem[0]
     row = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
 
     @pl.loop(0, n_tiles)
@@ -483,12 +510,16 @@ def _kernel(
         row_scale = lax.bitcast_convert_type(row_code << 23, jnp.float32)
         scores = jnp.where(row_code == 0xFF, jnp.nan, scores * row_scale)
 
-        # Position of each row: block id of its slot (8 scalars, selected per row) · 8 + offset.
-        block = jnp.full_like(row, ids_smem[tile, 0])
-        for i in range(1, TILE_BLOCKS):
-            block = jnp.where(row // BLOCK_SIZE == i, ids_smem[tile, i], block)
-        pos = block * BLOCK_SIZE + row % BLOCK_SIZE
-        visible = (block >= 0) & (pos < limit)
+        if ids_hbm is None:  # every block: the tile's rows are consecutive positions
+            pos = (first_of_cta + tile * TILE_BLOCKS) * BLOCK_SIZE + row
+            visible = pos < limit
+        else:
+            # Position of each row: block id of its slot (8 scalars, selected per row) · 8 + offset.
+            block = jnp.full_like(row, ids_smem[tile, 0])
+            for i in range(1, TILE_BLOCKS):
+                block = jnp.where(row // BLOCK_SIZE == i, ids_smem[tile, i], block)
+            pos = block * BLOCK_SIZE + row % BLOCK_SIZE
+            visible = (block >= 0) & (pos < limit)
         if block_max:
             # The tile's scores stay in shared memory until the blocks are reduced (below). NaN
             # (a 0xFF scale) is no valid score for a block, as in `ops.pool.block_max`.
@@ -521,11 +552,50 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def _every_block_kernel(
+    k_hbm,
+    k_tiles_hbm,
+    q_hbm,
+    w_hbm,
+    lim_hbm,
+    out_hbm,
+    k_smem,
+    q_smem,
+    w_smem,
+    lim_smem,
+    out_smem,
+    k_barriers,
+    meta_barrier,
+    blocks_smem=None,
+    **static,
+):
+    """`_kernel` over every block of the cache: no block ids in memory (`block_ids=None`)."""
+    _kernel(
+        k_hbm,
+        k_tiles_hbm,
+        q_hbm,
+        w_hbm,
+        None,
+        lim_hbm,
+        out_hbm,
+        k_smem,
+        q_smem,
+        w_smem,
+        None,
+        lim_smem,
+        out_smem,
+        k_barriers,
+        meta_barrier,
+        blocks_smem,
+        **static,
+    )
+
+
 def pooled_scores_mgpu(
     k_packed: UInt8[Array, "batch seq 68"] | UInt32[Array, "batch blocks 136"],
     q: Float[Array, "batch heads 128"],
     weights: Float[Array, "batch heads"],
-    block_ids: Int[Array, "batch n_blocks"],
+    block_ids: Int[Array, "batch n_blocks"] | None,
     lengths: Int[Array, " batch"],
     *,
     n_pos: int | None = None,
@@ -539,8 +609,10 @@ def pooled_scores_mgpu(
     Args:
       k_packed: [B, S, 68] uint8 packed rows, or the same bytes as `packed_words` gives them
         ([B, ceil(S/8), 136] uint32; then `n_pos` = S is required).
-      q: [B, H, 128] float queries; weights: [B, H] float; block_ids: [B, NB] int (−1 padded);
-        lengths: [B] int.
+      q: [B, H, 128] float queries; weights: [B, H] float; block_ids: [B, NB] int (−1 padded),
+        or None: every block of the cache, NB = ceil(S/8) (what `source_scan.every_block`
+        lists, without reading ids: each tile's rows are consecutive positions); lengths: [B]
+        int.
       n_pos: S, when `k_packed` is given as words.
       config: tile sizes.
       interpret: run the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
@@ -570,7 +642,7 @@ def pooled_block_max_mgpu(
     k_packed: UInt8[Array, "batch seq 68"] | UInt32[Array, "batch blocks 136"],
     q: Float[Array, "batch heads 128"],
     weights: Float[Array, "batch heads"],
-    block_ids: Int[Array, "batch n_blocks"],
+    block_ids: Int[Array, "batch n_blocks"] | None,
     lengths: Int[Array, " batch"],
     *,
     n_pos: int | None = None,
@@ -623,7 +695,8 @@ def _pooled(
         raise ValueError(
             f"k_packed: expected words [B, blocks, {BLOCK_WORDS}], got {k_words.shape}"
         )
-    n_slots = block_ids.shape[1]
+    every_block = block_ids is None
+    n_slots = -(-n_pos // BLOCK_SIZE) if every_block else block_ids.shape[1]
     n_tiles_total = -(-n_slots // TILE_BLOCKS)
     # A query's tiles are split over CTAs; a small pool gets fewer, smaller CTAs. The block
     # maxima of a CTA fill whole 64-row WGMMA tiles: 8 tiles of 8 blocks.
@@ -632,11 +705,12 @@ def _pooled(
     tiles_per_cta = -(-tiles_per_cta // multiple) * multiple
     n_splits = -(-n_tiles_total // tiles_per_cta)
     padded_slots = n_splits * tiles_per_cta * TILE_BLOCKS
-    ids = jnp.pad(
-        jnp.asarray(block_ids, jnp.int32),
-        ((0, 0), (0, padded_slots - n_slots)),
-        constant_values=-1,
-    ).reshape(batch, n_splits, tiles_per_cta, TILE_BLOCKS)
+    if not every_block:
+        ids = jnp.pad(
+            jnp.asarray(block_ids, jnp.int32),
+            ((0, 0), (0, padded_slots - n_slots)),
+            constant_values=-1,
+        ).reshape(batch, n_splits, tiles_per_cta, TILE_BLOCKS)
     q_kernel, w_kernel = kernel_queries(q, weights)
     heads = q_kernel.shape[1]
     limit = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, n_pos)
@@ -659,9 +733,10 @@ def _pooled(
     else:  # a tile's scores, double-buffered for its store
         out_type = (batch, n_splits, tiles_per_cta, TILE_ROWS)
         staging = [plgpu.SMEM((2, TILE_ROWS), jnp.float32)]
+    ids_scratch = [] if every_block else [plgpu.SMEM((tiles_per_cta, TILE_BLOCKS), jnp.int32)]
     kernel = plgpu.kernel(
         functools.partial(
-            _kernel,
+            _every_block_kernel if every_block else _kernel,
             n_tiles=tiles_per_cta,
             num_stages=num_stages,
             n_blocks=k_words.shape[1],
@@ -675,14 +750,14 @@ def _pooled(
             plgpu.SMEM((num_stages, TILE_ROWS, ROW_WORDS), jnp.uint32),
             plgpu.SMEM((heads, DIM), jnp.float16, transforms=q_transforms),
             plgpu.SMEM((heads,), jnp.float32),
-            plgpu.SMEM((tiles_per_cta, TILE_BLOCKS), jnp.int32),
+            *ids_scratch,
             plgpu.SMEM((32,), jnp.int32),
             staging[0],
             plgpu.Barrier(
                 num_arrivals=TILE_BLOCKS * (1 if interpret else len(_COPIES)),
                 num_barriers=num_stages,
             ),
-            plgpu.Barrier(num_arrivals=4),
+            plgpu.Barrier(num_arrivals=4 - every_block),  # the metadata's copies
             *staging[1:],
         ],
         grid=(batch, n_splits),
@@ -704,7 +779,8 @@ def _pooled(
         k_tiles = k_words.reshape(batch, -1, 32)  # [B, blocks·17/4, 32]: 128-byte lines
     else:
         k_tiles = k_words  # not read
-    out = kernel(k_words, k_tiles, q_kernel, w_kernel, ids, limit)
+    ids_input = () if every_block else (ids,)
+    out = kernel(k_words, k_tiles, q_kernel, w_kernel, *ids_input, limit)
     if block_max:
         return out.reshape(batch, padded_slots)[:, :n_slots]
     return out.reshape(batch, padded_slots * BLOCK_SIZE)[:, : n_slots * BLOCK_SIZE]

@@ -7,9 +7,10 @@ for sm_90a and counted by opcode, for the full kernel and a leave-one-out varian
     python3 -m pallas_kernels.pooled_scoring.sass --listing none=full.sass \\
         no_decode=nodec.sass --out sass_mix.json
 
-The kernel is the source scan's block-max kernel (`pooled_block_max_mgpu`, default tuning) at a
-small size: the code does not depend on the cache length. Each variant compiles in a process of
-its own with `MOSAIC_GPU_DUMP_PTX` and `MOSAIC_GPU_DUMP_TO` set, and the PTX is assembled with
+The kernel is the source scan's block-max kernel (`pooled_block_max_mgpu` over every block,
+default tuning) at a small size: the code does not depend on the cache length. Each variant
+compiles in a process of its own with `MOSAIC_GPU_DUMP_PTX` and `MOSAIC_GPU_DUMP_TO` set, and
+the PTX is assembled with
 `ptxas -arch=sm_90a -O3`, which need not be byte for byte what Mosaic GPU's own compile produced.
 The counts are static (instructions in the listing, not executed ones); the tile loop is not
 unrolled, so a tile's code appears once and the difference between two variants is what the
@@ -35,7 +36,11 @@ import jax.numpy as jnp
 from pallas_kernels.pooled_scoring import kernel_mgpu
 from pallas_kernels.pooled_scoring.bench import random_inputs
 
-VARIANTS = ("none", "no_decode")
+VARIANTS = ("none", "no_decode", "listed_ids")
+"""'none': the kernel as the source scan runs it (every block, no ids read); 'no_decode': its
+leave-one-out without the FP4 decode; 'listed_ids': the same blocks listed as ids in memory
+(`source_scan.every_block`), as any pool hands them (none − listed_ids < 0: what reading and
+selecting the ids adds per tile)."""
 # A SASS line: "/*01a0*/  @!P0 OPCODE.MODIFIERS operands ;"
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)")
 
@@ -80,9 +85,11 @@ def _dump_variant(variant: str) -> None:
     k, q, w, lengths = random_inputs(
         jax.random.key(0), batch=batch, n_pos=n_pos, n_heads=32, dim=128
     )
-    every_block = jnp.arange(n_pos // kernel_mgpu.BLOCK_SIZE, dtype=jnp.int32)
-    ids = jnp.broadcast_to(every_block, (batch, every_block.size))
-    ablation = None if variant == "none" else variant
+    ids = None  # every block
+    if variant == "listed_ids":
+        every_block = jnp.arange(n_pos // kernel_mgpu.BLOCK_SIZE, dtype=jnp.int32)
+        ids = jnp.broadcast_to(every_block, (batch, every_block.size))
+    ablation = None if variant in ("none", "listed_ids") else variant
     fn = functools.partial(kernel_mgpu.pooled_block_max_mgpu, _ablation=ablation)
     jax.block_until_ready(jax.jit(fn)(k, q, w, ids, lengths))
 

@@ -8,8 +8,9 @@ switch (`pallas_kernels.dispatch`).
 - 'xla': `v41jax.ops.pool.candidate_source_scan`, the op's definition (unpack all S rows, score,
   select); any format, block size, head dim and score dtype.
 - 'pallas' / 'pallas_interpret': every block of the cache that a query can see goes through the
-  pooled-scoring Mosaic GPU kernel as one pool (block ids 0, 1, ... up to the query's last
-  visible block, −1 after it, so a short row fetches nothing past its length). The kernel reads
+  pooled-scoring Mosaic GPU kernel as one pool (`every_block`'s: block ids 0, 1, ... up to the
+  query's last visible block, −1 after it, so a short row fetches nothing past its length; the
+  kernel's `block_ids=None` mode, which computes them instead of reading them). The kernel reads
   the 68-byte rows once and never materializes the unpacked keys, which is what the XLA scan
   does (issue 16: 70.8 ms at 1 M x batch 64). Then, by the block reducer:
   - 'max' (V4.1's): the kernel reduces each block itself and writes only the block maxima
@@ -150,15 +151,15 @@ def candidate_source(
         config=config or SCAN_CONFIG,
         interpret=dispatch.interpret(implementation),
     )
-    blocks = every_block(lengths, n_pos, block_size)
+    # block_ids=None: every block of the cache, `every_block`'s pool without its ids.
     if not (reduce == "max" or reduce is pool.block_max):
-        scores = kernel_mgpu.pooled_scores_mgpu(words, q, weights, blocks, lengths, **kernel)
+        scores = kernel_mgpu.pooled_scores_mgpu(words, q, weights, None, lengths, **kernel)
         return selections(scores[:, :n_pos], lengths, implementation=implementation, **selection)
 
     select = functools.partial(topk_api.topk, implementation=implementation)
-    maxima = kernel_mgpu.pooled_block_max_mgpu(words, q, weights, blocks, lengths, **kernel)
+    maxima = kernel_mgpu.pooled_block_max_mgpu(words, q, weights, None, lengths, **kernel)
     block_ids = _pool_blocks(maxima, lengths, topk_blocks, block_size, tie_order, select, pin=True)
-    best = _best_blocks(maxima, block_ids, min(index_topk, blocks.shape[1]), tie_order, select)
+    best = _best_blocks(maxima, block_ids, min(index_topk, maxima.shape[1]), tie_order, select)
     slot_scores = kernel_mgpu.pooled_scores_mgpu(words, q, weights, best, lengths, **kernel)
     own = pool.pool_topk_from_scores(
         slot_scores, best, index_topk, block_size=block_size, tie_order=tie_order, select=select
@@ -205,11 +206,16 @@ def _best_blocks(maxima, pool_ids, k, tie_order, select):
     S / 8 (at 1 M tokens, 2,048 scores instead of 131,072 per query).
 
     Why the pool holds them: it is the pinned block plus the best topk_blocks − 1 others by the
-    capped maxima (`ops.pool.pin_newest_block`), which rank the blocks as the raw maxima do
-    when no maximum is +inf or NaN (capping only changes +inf). Then a block among the best k
-    ≤ topk_blocks − 1 by raw max ranks at most k among the unpinned blocks, so the pool holds
-    it; and the pool's ids are ascending, so ties between its slots resolve as between the
-    blocks. Otherwise (a +inf or NaN maximum, or k ≥ topk_blocks) every block is ranked again."""
+    capped maxima (`ops.pool.pin_newest_block`), which rank the unpinned blocks as the raw
+    maxima do unless one of them is +inf (the cap to float32's largest changes only +inf; a NaN
+    maximum ranks as −inf in both). Then a block among the best k ≤ topk_blocks − 1 by raw max
+    ranks at most k among the unpinned blocks, so the pool holds it; and the pool's ids are
+    ascending, so ties between its slots resolve as between the blocks.
+
+    The check is made on the pool's own maxima: an unpinned +inf block caps to float32's
+    largest, the top capped rank after the pin, so the pool then holds a block whose raw max is
+    at least that (itself, or one it ties with). Where any pool block's raw max reaches float32's
+    largest, or k ≥ topk_blocks, every block is ranked again."""
 
     def every_block():
         return select(maxima, k, tie_order=tie_order).indices
@@ -217,13 +223,17 @@ def _best_blocks(maxima, pool_ids, k, tie_order, select):
     if k == 0 or k >= pool_ids.shape[-1]:
         return every_block()
 
+    in_pool = pool_ids >= 0
+    pool_maxima = jnp.take_along_axis(maxima, jnp.maximum(pool_ids, 0), axis=-1)
+    pool_maxima = jnp.where(in_pool, pool_maxima, -jnp.inf)
+
     def from_pool():
-        pool_maxima = jnp.take_along_axis(maxima, jnp.maximum(pool_ids, 0), axis=-1)
-        slots = select(jnp.where(pool_ids >= 0, pool_maxima, -jnp.inf), k, tie_order=tie_order)
+        slots = select(pool_maxima, k, tie_order=tie_order)
         chosen = jnp.take_along_axis(pool_ids, jnp.maximum(slots.indices, 0), axis=-1)
         return jnp.where(slots.indices >= 0, chosen, -1)
 
-    return lax.cond(jnp.all(maxima < jnp.inf), from_pool, every_block)
+    capped = jnp.any(pool_maxima >= jnp.finfo(jnp.float32).max)
+    return lax.cond(capped, every_block, from_pool)
 
 
 def _pool_blocks(blocks, lengths, topk_blocks, block_size, tie_order, select, *, pin=False):

@@ -123,9 +123,10 @@ def run(
             if progress:
                 progress(out)
 
-        def kernel_only(k_packed, q, weights, lengths, n_pos=n_pos, *, fn):
-            ids = api.every_block(lengths, n_pos, BLOCK_SIZE)
-            return fn(k_packed, q, weights, ids, lengths, config=api.SCAN_CONFIG)
+        def kernel_only(k_packed, q, weights, lengths, n_pos=n_pos, *, fn, listed=False):
+            # The route's mode (no ids: every block), or `every_block`'s ids read from memory.
+            ids = api.every_block(lengths, n_pos, BLOCK_SIZE) if listed else None
+            return fn(k_packed, q, weights, ids, lengths, n_pos=n_pos, config=api.SCAN_CONFIG)
 
         # The definition first: its number survives a kernel failure.
         scan = functools.partial(pool.candidate_source_scan, **select)
@@ -135,11 +136,17 @@ def run(
                 api.candidate_source, implementation="pallas", reduce=reduce, **select
             )
             timed(name, jax.jit(route), datasets, entry["bytes"])
-        for name, fn, n_out in (
-            ("pallas_scores", kernel_mgpu.pooled_scores_mgpu, n_pos),
-            ("pallas_block_max", kernel_mgpu.pooled_block_max_mgpu, n_pos // BLOCK_SIZE),
+        for name, fn, n_out, listed in (
+            ("pallas_scores", kernel_mgpu.pooled_scores_mgpu, n_pos, False),
+            ("pallas_block_max", kernel_mgpu.pooled_block_max_mgpu, n_pos // BLOCK_SIZE, False),
+            (
+                "pallas_block_max_listed_ids",
+                kernel_mgpu.pooled_block_max_mgpu,
+                n_pos // BLOCK_SIZE,
+                True,
+            ),
         ):
-            kernel = functools.partial(kernel_only, fn=fn)
+            kernel = functools.partial(kernel_only, fn=fn, listed=listed)
             timed(name, jax.jit(kernel), datasets, rows + small + batch * n_out * 4)
         del datasets  # room for the scores: 0.27 GB per data set at 1 M x 64
         scores = [
@@ -204,9 +211,8 @@ def tune(
     jax.block_until_ready(data)
 
     def block_max(k_packed, q, weights, lengths, *, config, ablation=None):
-        ids = api.every_block(lengths, n_pos, BLOCK_SIZE)
         return kernel_mgpu.pooled_block_max_mgpu(
-            k_packed, q, weights, ids, lengths, config=config, _ablation=ablation
+            k_packed, q, weights, None, lengths, config=config, _ablation=ablation
         )
 
     runs = [("configs", f"{c.tiles_per_cta}x{c.num_stages}", c, None) for c in configs]

@@ -78,22 +78,37 @@ def num_warps(n_pad: int) -> int:
     return int(min(32, max(4, n_pad // 1024)))
 
 
-def _search(values, eligible, need, n_bits: int, digit_bits: int, flip):
+def _search(values, eligible, need, count, n_bits: int, digit_bits: int, flip):
     """The largest t < 2^n_bits (unsigned) with #{eligible values ≥ t} ≥ need, where a value v
     compares as `v ≥ t ^ flip` (flip = the top bit for the keys, so the unsigned search runs on
-    signed keys; 0 for the nonnegative ranks). Returns t as an int32 bit pattern."""
+    signed keys; 0 for the nonnegative ranks), decided digit by digit from the top until exactly
+    `need` values are ≥ t: the digits after that are left 0, since no lower threshold changes
+    which values are ≥ it. `count` = #{eligible values} (the count at t = 0).
+
+    Returns (t as an int32 bit pattern, #{eligible values ≥ t}): the count equals `need` when the
+    search stopped early or the ≥ t values are `need` exactly; larger, t is the need-th largest
+    value and more than one eligible value equals it."""
     t = jnp.int32(0)
     for shift, width in radix._digits(n_bits, digit_bits):
-        best = jnp.int32(0)
-        for digit in range(1, 2**width):
-            candidate = (t | _i32(digit << shift)) ^ flip
-            above = eligible & (values >= candidate)
-            count = jnp.sum(jnp.where(above, 1, 0).astype(jnp.int32))
-            # Counts fall as the digit grows: the digits that reach `need` are 1 … best. (A
-            # select: Pallas's Triton lowering cannot add a boolean cast to int32, 2026-12-03.)
-            best = jnp.where(count >= need, best + 1, best)
-        t = t | lax.shift_left(best, jnp.int32(shift))
-    return t
+
+        def digit_pass(t, count, shift=shift, width=width):
+            best, count_at_best = jnp.int32(0), count
+            for digit in range(1, 2**width):
+                candidate = (t | _i32(digit << shift)) ^ flip
+                above = eligible & (values >= candidate)
+                c = jnp.sum(jnp.where(above, 1, 0).astype(jnp.int32))
+                # Counts fall as the digit grows: the digits that reach `need` are 1 … best.
+                # (Selects: Pallas's Triton lowering cannot add a boolean cast to int32,
+                # 2026-12-03.)
+                best = jnp.where(c >= need, best + 1, best)
+                count_at_best = jnp.where(c >= need, c, count_at_best)
+            return t | lax.shift_left(best, jnp.int32(shift)), count_at_best
+
+        # Once exactly `need` values are ≥ t, the remaining passes are skipped: on distinct
+        # scores that is after about log2(n) + a few digits, not all 32 (and the tie ranks'
+        # search then has nothing to decide).
+        t, count = lax.cond(count == need, lambda t, c: (t, c), digit_pass, t, count)
+    return t, count
 
 
 def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_bits):
@@ -101,14 +116,19 @@ def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_b
     bits = lax.bitcast_convert_type(x, jnp.int32)
     keys = jnp.where(bits < 0, bits ^ np.int32(0x7FFFFFFF), bits)
     everything = keys == keys
-    t = _search(keys, everything, jnp.int32(k), 32, digit_bits, _SIGN) ^ _SIGN
+    t, _ = _search(keys, everything, jnp.int32(k), jnp.int32(n_pad), 32, digit_bits, _SIGN)
+    t = t ^ _SIGN
+    # Where the search stopped early, t need not be a key: the keys ≥ t are the k picks, and
+    # those > t and = t together are they, the ties (if any) all kept by the rank search below,
+    # which then stops at once (its count, all ties, is already what is left).
     above = keys > t
     ties = keys == t
     position = lax.broadcasted_iota(jnp.int32, (n_pad,), 0)
     rank = (n_pad - 1 - position) if tie_order == "oldest" else position
     left = k - jnp.sum(jnp.where(above, 1, 0).astype(jnp.int32))
+    n_ties = jnp.sum(jnp.where(ties, 1, 0).astype(jnp.int32))
     rank_bits = max(1, (n_pad - 1).bit_length())
-    r = _search(rank, ties, left, rank_bits, digit_bits, np.int32(0))
+    r, _ = _search(rank, ties, left, n_ties, rank_bits, digit_bits, np.int32(0))
     picked = (above | (ties & (rank >= r))) & (x > -jnp.inf)
     # A stable partition of the row: the picks to slots 0 … total − 1 in position order, every
     # other position after them, each slot written once (no masks, no two lanes on one slot).
