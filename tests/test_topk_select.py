@@ -262,8 +262,8 @@ def test_largest_threshold_against_a_count(digit_bits):
 def test_the_kernels_search_stops_once_exactly_need_values_remain(digit_bits):
     """The radix-select kernel's digit search (`kernel_triton._search`, plain jnp outside a
     kernel) against counts over every threshold: after each digit its t is the largest prefix
-    (a multiple of the digit's place) with at least `need` values ≥ it, and it stops at the
-    first such prefix with exactly `need`, its lower digits 0; on distinct values that is
+    (a multiple of the digit's place) with at least `need` values ≥ it, and it stops after the
+    first digit whose prefix has exactly `need`, its lower digits 0; on distinct values that is
     before the last digit."""
     rng = np.random.default_rng(10 + digit_bits)
     n_bits = 12
@@ -284,12 +284,10 @@ def test_the_kernels_search_stops_once_exactly_need_values_remain(digit_bits):
             np.int32(0),
         )
         counts = np.array([np.sum(eligible & (values >= u)) for u in range(2**n_bits)])
-        want = 0
-        if counts[0] != need:
-            for shift, _ in radix._digits(n_bits, digit_bits):
-                want = max(u for u in range(0, 2**n_bits, 2**shift) if counts[u] >= need)
-                if counts[want] == need:
-                    break
+        for shift, _ in radix._digits(n_bits, digit_bits):  # the first digit always runs
+            want = max(u for u in range(0, 2**n_bits, 2**shift) if counts[u] >= need)
+            if counts[want] == need:
+                break
         assert (int(t), int(count)) == (want, counts[want]), (i, int(t), want)
         if i == 0:
             assert counts[want] == need and want % 2**digit_bits == 0, want

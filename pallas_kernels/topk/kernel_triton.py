@@ -83,7 +83,8 @@ def _search(values, eligible, need, count, n_bits: int, digit_bits: int, flip):
     compares as `v ≥ t ^ flip` (flip = the top bit for the keys, so the unsigned search runs on
     signed keys; 0 for the nonnegative ranks), decided digit by digit from the top until exactly
     `need` values are ≥ t: the digits after that are left 0, since no lower threshold changes
-    which values are ≥ it. `count` = #{eligible values} (the count at t = 0).
+    which values are ≥ it. The first digit always runs. `count` = #{eligible values} (the count
+    at t = 0).
 
     Returns (t as an int32 bit pattern, #{eligible values ≥ t}): the count equals `need` when the
     search stopped early or the ≥ t values are `need` exactly; larger, t is the need-th largest
@@ -104,6 +105,11 @@ def _search(values, eligible, need, count, n_bits: int, digit_bits: int, flip):
                 count_at_best = jnp.where(c >= need, c, count_at_best)
             return t | lax.shift_left(best, jnp.int32(shift)), count_at_best
 
+        if shift + width == n_bits:
+            # The first digit runs unconditionally: Pallas's Triton lowering of `lax.cond`
+            # cannot pass a literal operand (t = 0) through a branch (jax 0.11.2).
+            t, count = digit_pass(t, count)
+            continue
         # Once exactly `need` values are ≥ t, the remaining passes are skipped: on distinct
         # scores that is after about log2(n) + a few digits, not all 32 (and the tie ranks'
         # search then has nothing to decide).
@@ -120,7 +126,7 @@ def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_b
     t = t ^ _SIGN
     # Where the search stopped early, t need not be a key: the keys ≥ t are the k picks, and
     # those > t and = t together are they, the ties (if any) all kept by the rank search below,
-    # which then stops at once (its count, all ties, is already what is left).
+    # which then stops after its first digit (its count, all ties, is already what is left).
     above = keys > t
     ties = keys == t
     position = lax.broadcasted_iota(jnp.int32, (n_pad,), 0)
