@@ -161,6 +161,14 @@ def source_scan(report: dict) -> str:
             f"| {_kernel(c, 'pallas_block_max')} | {_kernel(c, 'pallas_scores')} "
             f"| {_ms(c, 'selections_xla')} | {_ms(c, 'selections_pallas')} |"
         )
+    for n, c in sorted(report["contexts"].items(), key=lambda kv: int(kv[0])):
+        if "pallas_block_max_listed_ids" in c:  # the kernel reading every block's id (pool form)
+            lines += [
+                "",
+                f"Kernel block maxima at {_context(int(n))} with the blocks' ids read from memory "
+                f"(`every_block`'s, as a pool hands them): "
+                f"{_kernel(c, 'pallas_block_max_listed_ids')}.",
+            ]
     longest = max(report["contexts"], key=int)
     route = report["contexts"][longest].get("pallas_route", {}).get("kernels", [])
     if big := [k for k in route if k["ms"] >= 0.005]:
