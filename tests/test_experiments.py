@@ -789,6 +789,29 @@ def test_bench_decode_check_runs_every_op_of_the_step(tmp_path):
     )
 
 
+def test_the_topk_benchmark_times_the_kernel_at_each_warp_count(monkeypatch):
+    """`topk.bench --kernel-warps`: the kernel alone at each warp count it takes, its picks
+    checked against the sort, one table column per count (the device timer faked)."""
+    from experiments import bench_tables
+    from pallas_kernels import timing
+    from pallas_kernels.topk import bench as topk_bench
+
+    fake = {"median_ms": 1.0, "mosaic_kernel_ms": 0.5, "runs": 1, "kernels": []}
+    monkeypatch.setattr(timing, "measure", lambda fn, datasets, iterations=10: (fake, None))
+    report = topk_bench.run(
+        shapes={"pool": (64, 8)},
+        batch=2,
+        digit_bits=(1,),
+        n_datasets=1,
+        implementation="pallas_interpret",
+        kernel_warps=(2, 4),
+    )
+    entry = report["shapes"]["pool"]
+    for label in ("kernel_1bit", "kernel_1bit_2w", "kernel_1bit_4w"):
+        assert entry[label]["equal_to_sort"], (label, entry[label])
+    assert "| kernel_1bit | kernel_1bit_2w | kernel_1bit_4w |" in bench_tables.topk(report)
+
+
 def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypatch):
     """BENCHMARKS.md's tables of the top-k, the source scan and the decode step read the keys
     their benchmarks write: the benchmarks run on the CPU at toy sizes with the device timer

@@ -363,6 +363,10 @@ def test_supports_says_what_it_takes():
     )  # fmt: skip
     assert [limit.argument for limit in kernel.limits] == ["neginf_picks", "n_pos, k"]
     assert not supports("pallas", method="kernel", digit_bits=8)
+    warps = kernel_triton.supports(16, 4, digit_bits=1, num_warps=3)
+    assert [limit.argument for limit in warps.limits] == ["num_warps"]
+    with pytest.raises(ValueError, match="num_warps: expected None or one of"):
+        kernel_triton.select(jnp.ones((2, 16)), 4, digit_bits=1, num_warps=3, interpret=True)
 
 
 def test_the_default_method_is_the_kernel_where_it_takes_the_call():

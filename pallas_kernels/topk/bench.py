@@ -13,6 +13,8 @@ batch 64:
 - `pool_slots`: a Reindex layer's top-512 of its pool's 2,048 blocks × 8 slots (after the
   pooled-scoring kernel: issue 16 measured this top-k at 2.5× the kernel);
 - `source_blocks`: the candidate source's pool, the top 2,048 of 131,072 block scores;
+- `source_block_leaves`: each of the two selections that one makes through the best blocks
+  (2,048 of 16,384: the groups of 8 blocks, then the blocks of the best groups);
 - `source_positions`: the candidate source's own top-512 of 1,048,576 position scores (what
   the source-scan route selects from today).
 
@@ -38,6 +40,7 @@ from pallas_kernels.topk import api, kernel_triton
 SHAPES = {
     "pool_slots": (16_384, 512),
     "source_blocks": (131_072, 2_048),
+    "source_block_leaves": (16_384, 2_048),
     "source_positions": (1_048_576, 512),
 }
 """name: (scores per query, k) at 1 M tokens, pool 2,048 blocks of 8, index_topk 512."""
@@ -59,6 +62,7 @@ def run(
     n_datasets: int = 2,
     progress: Callable[[dict], None] | None = None,
     implementation: str = "pallas",
+    kernel_warps: tuple[int, ...] = (),
 ) -> dict:
     """Times the sort, the selection through the best blocks, the radix select and the
     radix-select kernel (each of `digit_bits` they take) at each of `shapes`.
@@ -72,6 +76,9 @@ def run(
       progress: called with the partial result after every timing (e.g. to save it).
       implementation: the methods' implementation ('pallas_interpret' runs the kernel in the
         Pallas interpreter: a CPU check of this script, not a timing).
+      kernel_warps: also time the kernel alone (`kernel_triton.select`) with each of these
+        warps per program, at the shapes whose rows it holds whole (entries
+        `kernel_{bits}bit_{warps}w`): a tuning of `kernel_triton.default_warps`.
     """
     out = {
         "device": jax.devices()[0].device_kind,
@@ -104,10 +111,19 @@ def run(
             for bits in digit_bits
             if bits in kernel_triton.DIGIT_BITS
         ]
+        interpret = implementation == "pallas_interpret"
+        methods += [
+            (f"kernel_{bits}bit_{warps}w", {"digit_bits": bits, "num_warps": warps})
+            for bits in digit_bits
+            for warps in kernel_warps
+            if kernel_triton.supports(n, k, digit_bits=bits, num_warps=warps)
+        ]
         for label, method in methods:
-            select = jax.jit(
-                functools.partial(api.topk, k=k, implementation=implementation, **method)
-            )
+            if "num_warps" in method:
+                fn = functools.partial(kernel_triton.select, interpret=interpret)
+            else:
+                fn = functools.partial(api.topk, implementation=implementation)
+            select = jax.jit(functools.partial(fn, k=k, **method))
             timing.record(entry, label, select, datasets, iterations)
             if "median_ms" in entry[label]:
                 got = select(*datasets[-1])
@@ -134,6 +150,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--datasets", type=int, default=2)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument(
+        "--kernel-warps",
+        type=int,
+        nargs="+",
+        default=[],
+        choices=kernel_triton.WARPS,
+        help="also time the kernel alone at these warps per program (rows it holds whole)",
+    )
     args = parser.parse_args()
 
     save = timing.json_writer(args.out)
@@ -145,6 +169,7 @@ def main() -> None:
         iterations=args.iterations,
         n_datasets=args.datasets,
         progress=save,
+        kernel_warps=tuple(args.kernel_warps),
     )
     save(result)
     print(json.dumps(result, indent=1))
