@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 
@@ -115,14 +116,20 @@ def _ms(entry: dict, name: str, digits: int = 3) -> str:
     return f"{timing['median_ms']:.{digits}f} ms"
 
 
+def _natural(label: str) -> list:
+    """A sort key under which the numbers in a label sort as numbers (kernel_1bit_8w before
+    kernel_1bit_16w)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", label)]
+
+
 def topk(report: dict) -> str:
     """`pallas_kernels.topk.bench`: the sort against the selection through the best blocks, the
     radix select and the radix-select kernel at each pass width."""
     shapes = report["shapes"]
     names = {name for e in shapes.values() for name in e}
     widths = ["blocks"] * ("blocks" in names)
-    widths += sorted(n for n in names if n.startswith("radix_"))
-    widths += sorted(n for n in names if n.startswith("kernel_"))
+    widths += sorted((n for n in names if n.startswith("radix_")), key=_natural)
+    widths += sorted((n for n in names if n.startswith("kernel_")), key=_natural)
     lines = [
         f"Top-k of the decode step (batch {report['batch']}; ReLU-like scores, a third 0):",
         "",
@@ -370,7 +377,7 @@ def source_scan_tune(report: dict, path: Path) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--throughput", action="store_true", help="the paths are throughput runs")
@@ -401,7 +408,7 @@ def main() -> None:
     parser.add_argument(
         "--pooled", action="store_true", help="the paths are pooled_scoring.bench runs"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     reports = [json.loads(p.read_text()) for p in args.paths]
     if args.tune:
         for path, report in zip(args.paths, reports, strict=True):
@@ -415,8 +422,7 @@ def main() -> None:
     elif args.source_scan:
         print("\n\n".join(source_scan(report) for report in reports))
     elif args.decode:
-        for report in reports:
-            print(decode(report))
+        print("\n\n".join(decode(report) for report in reports))
     elif args.long_context:
         for report in reports:
             print(long_context(report))

@@ -789,6 +789,28 @@ def test_bench_decode_check_runs_every_op_of_the_step(tmp_path):
     )
 
 
+def test_every_printed_table_in_benchmarks_md_is_what_its_command_prints(capsys, monkeypatch):
+    """After each "Printed by `python3 experiments/bench_tables.py ...`" in BENCHMARKS.md, before
+    the next, stands that command's output on the committed JSON today, verbatim: no table
+    retyped, and none left behind when a printer changes."""
+    import re
+
+    from experiments import bench_tables
+
+    text = (REPO / "BENCHMARKS.md").read_text()
+    found = list(re.finditer(r"Printed by\s+`python3\s+experiments/bench_tables\.py([^`]*)`", text))
+    assert len(found) >= 19, len(found)
+    monkeypatch.chdir(REPO)
+    for i, match in enumerate(found):
+        argv = match.group(1)
+        if "<" in argv:  # a template (`<new json>`), not a command
+            continue
+        end = found[i + 1].start() if i + 1 < len(found) else len(text)
+        bench_tables.main(shlex.split(argv))
+        printed = capsys.readouterr().out.strip()
+        assert printed and printed in text[match.end() : end], argv
+
+
 def test_the_topk_benchmark_times_the_kernel_at_each_warp_count(monkeypatch):
     """`topk.bench --kernel-warps`: the kernel alone at each warp count it takes, its picks
     checked against the sort, one table column per count (the device timer faked)."""
