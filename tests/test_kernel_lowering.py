@@ -20,6 +20,7 @@ from pallas_kernels import lowering
 from pallas_kernels.pooled_scoring.api import pooled_scores
 from pallas_kernels.source_scan.api import candidate_source
 from pallas_kernels.sparse_attention import api as attention_api
+from pallas_kernels.sparse_attention import kernel_mgpu
 from pallas_kernels.topk import api as topk_api
 from pallas_kernels.topk import kernel_triton
 from v41jax.nn import config, model
@@ -142,6 +143,31 @@ def test_fp4_sparse_attention_lowers(backend, heads):
     calls = lowering.custom_calls(lowering.lower_for_gpu(attend, *args))
     kernel = "mosaic_gpu" if backend == "mgpu" else "triton"
     assert calls[kernel] >= 1, calls
+
+
+def test_the_attention_kernels_leave_one_out_variant_lowers():
+    """`TuningConfig(ablation='no_topk_rows')` (the benchmark's leave-one-out timing) lowers,
+    and a config it does not apply to is refused by name."""
+    batch, heads, dim, n_kv, topk, window = 2, 64, 512, 4096, 512, 128
+    tuning = kernel_mgpu.TuningConfig(ablation="no_topk_rows")
+    attend = functools.partial(
+        attention_api.fp4_sparse_attention,
+        implementation="pallas",
+        config=attention_api.Config(mgpu=tuning),
+    )
+    args = (
+        spec((batch, heads, dim), jnp.bfloat16),
+        packed(batch, n_kv, dim, "nvfp4"),
+        spec((batch, topk), i32),
+        packed(batch, window, dim, "fp8"),
+        spec((batch, window), jnp.bool_),
+        spec((heads,), f32),
+    )
+    lowers_to(attend, *args, mosaic_gpu=1)
+    with pytest.raises(ValueError, match="ablation: expected None or 'no_topk_rows'"):
+        kernel_mgpu.TuningConfig(ablation="no_decode")
+    with pytest.raises(ValueError, match="ablation: only with kernel='exchange'"):
+        kernel_mgpu.TuningConfig(kernel="specialized", ablation="no_topk_rows")
 
 
 def test_the_kernel_decode_step_lowers():

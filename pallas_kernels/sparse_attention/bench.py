@@ -42,9 +42,11 @@ MGPU_VARIANTS = {
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "specialized_splits1": kernel_mgpu.TuningConfig(kernel="specialized", splits=1),
     "splits1": kernel_mgpu.TuningConfig(splits=1),
+    "no_topk_rows": kernel_mgpu.TuningConfig(ablation="no_topk_rows"),
 }
 """Mosaic GPU configurations the command line can add by label (`--variants`): the
-warp-specialized kernel, and split-KV off."""
+warp-specialized kernel, split-KV off, and the default kernel without the top-k rows' gather
+and decode (a leave-one-out timing: its outputs are wrong, its `rel_err` large)."""
 
 
 def bf16_cache_attention(

@@ -219,14 +219,24 @@ class TuningConfig:
         partial outputs merged by log-sum-exp in XLA (split-KV, as flash-decoding). None: as
         many as keep every SM busy (number of SMs // (B · head groups), at most 4), so a batch
         of 64 queries still fills the 132 SMs of an H200; 1 on CPU.
+      ablation: a measurement aid ('exchange' only; wrong results): 'no_topk_rows' skips the
+        gather and the decode of the top-k chunks, which then attend to whatever keys the
+        tile last held (the window's chunks still run). Timed against the full kernel
+        (`bench.py --variants no_topk_rows`), it says what the top-k rows' gather and decode
+        cost (NOTES.md).
     """
 
     dequant: str = "ptx"
     kernel: str = "exchange"
     prefetch: bool = False
     splits: int | None = None
+    ablation: str | None = None
 
     def __post_init__(self):
+        if self.ablation not in (None, "no_topk_rows"):
+            raise ValueError(f"ablation: expected None or 'no_topk_rows', got {self.ablation!r}")
+        if self.ablation is not None and self.kernel != "exchange":
+            raise ValueError(f"ablation: only with kernel='exchange', got kernel={self.kernel!r}")
         if self.kernel not in ("specialized", "exchange"):
             raise ValueError(f"kernel: expected 'specialized' or 'exchange', got {self.kernel!r}")
         if self.dequant not in ("ptx", "jnp"):
@@ -746,6 +756,7 @@ def _exchange_kernel(
     dequant,
     prefetch: bool,
     interpret: bool,
+    ablation: str | None = None,
 ):
     """The default kernel (`TuningConfig(kernel='exchange')`, the module docstring's design):
     one key tile [2 halves, 64, D/2]; per chunk the gather and decode, each warpgroup's partial
@@ -810,6 +821,8 @@ def _exchange_kernel(
     def topk_step(c, carry):
         acc, m, denom, raw = carry
         chunk = n_window_chunks + c
+        if ablation == "no_topk_rows":  # TuningConfig.ablation: no gather, no decode
+            return (*attend(chunk, chunk % 2, (acc, m, denom)), raw)
         if prefetch:
             nxt = n_window_chunks + jnp.minimum(c + 1, k_hi - 1)
             raw_next = dequant.load(kv_rows, chunk_slots(nxt))
@@ -947,7 +960,11 @@ def fp4_sparse_attention_mgpu(
         ]
     else:
         kernel = functools.partial(
-            _exchange_kernel, dequant=make_dequant(geometry), prefetch=config.prefetch, **statics
+            _exchange_kernel,
+            dequant=make_dequant(geometry),
+            prefetch=config.prefetch,
+            ablation=config.ablation,
+            **statics,
         )
         warpgroups = 2
         middle = [
