@@ -71,6 +71,37 @@ def pooled_scoring(part: dict) -> str:
     return "\n".join(lines)
 
 
+def sparse_attention(att: dict, *, longest: bool = False) -> str:
+    """`pallas_kernels.sparse_attention.bench`: each implementation's time, TFLOP/s, bytes and
+    error per batch, then the kernels' speed-ups over the two XLA baselines; `longest`: a
+    column with the call's longest kernel (the Pallas kernel alone, for the kernel rows)."""
+    shape = att["shape"]
+    extra = " longest kernel |" if longest else ""
+    lines = [
+        f"FP4 sparse attention ({shape['heads']} heads × {shape['dim']}, {shape['topk']} "
+        f"selected + {shape['window']} window keys, NVFP4 main KV, FP8 window):",
+        "",
+        "| batch | implementation | time | TFLOP/s | bytes | TB/s | rel. error |" + extra,
+        "|---|---|---|---|---|---|---|" + "---|" * longest,
+    ]
+    for r in att["results"]:
+        if "time_us" not in r:
+            lines.append(f"| {r['batch']} | {r['implementation']} | error |")
+            continue
+        cell = f" {r['longest_kernel_us']:.1f} µs |" if longest else ""
+        lines.append(
+            f"| {r['batch']} | {r['implementation']} | {r['time_us']:.1f} µs | {r['tflops']:.1f} "
+            f"| {r['bytes'] / 1e6:.1f} MB | {r['tb_per_s']:.3f} | {r['rel_err']:.1e} |" + cell
+        )
+    lines += ["", "| kernel @ batch | vs (a) XLA over BF16 cache | vs (b) XLA over packed FP4 |"]
+    lines.append("|---|---|---|")
+    for name, s in att["speedups"].items():
+        if "[no_" in name:  # a leave-one-out variant computes wrong results: no speed-up
+            continue
+        lines.append(f"| {name} | {s['vs_xla_bf16_cache']:.2f}× | {s['vs_xla_packed']:.2f}× |")
+    return "\n".join(lines)
+
+
 def kernels(report: dict) -> str:
     copy, matmul = report["copy"], report["matmul"]
     lines = [
@@ -81,25 +112,7 @@ def kernels(report: dict) -> str:
         pooled_scoring(report["pooled_scoring"]),
     ]
 
-    att = report["sparse_attention"]
-    lines += [
-        "",
-        f"FP4 sparse attention ({att['shape']['heads']} heads × {att['shape']['dim']}, "
-        f"{att['shape']['topk']} selected + {att['shape']['window']} window keys, NVFP4 main KV, "
-        "FP8 window):",
-        "",
-        "| batch | implementation | time | TFLOP/s | bytes | TB/s | rel. error |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in att["results"]:
-        lines.append(
-            f"| {r['batch']} | {r['implementation']} | {r['time_us']:.1f} µs | {r['tflops']:.1f} "
-            f"| {r['bytes'] / 1e6:.1f} MB | {r['tb_per_s']:.3f} | {r['rel_err']:.1e} |"
-        )
-    lines += ["", "| kernel @ batch | vs (a) XLA over BF16 cache | vs (b) XLA over packed FP4 |"]
-    lines.append("|---|---|---|")
-    for name, s in att["speedups"].items():
-        lines.append(f"| {name} | {s['vs_xla_bf16_cache']:.2f}× | {s['vs_xla_packed']:.2f}× |")
+    lines += ["", sparse_attention(report["sparse_attention"])]
     for key, table in (("topk", topk), ("source_scan", source_scan)):
         if key in report:  # runs from 2026-12-02 on
             lines += ["", table(report[key])]
@@ -408,11 +421,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pooled", action="store_true", help="the paths are pooled_scoring.bench runs"
     )
+    parser.add_argument(
+        "--attention",
+        action="store_true",
+        help="the paths are sparse_attention.bench runs (with each call's longest kernel)",
+    )
     args = parser.parse_args(argv)
     reports = [json.loads(p.read_text()) for p in args.paths]
     if args.tune:
         for path, report in zip(args.paths, reports, strict=True):
             print(source_scan_tune(report, path) + "\n")
+    elif args.attention:
+        print("\n\n".join(sparse_attention(report, longest=True) for report in reports))
     elif args.pooled:
         for report in reports:
             print(pooled_scoring(report))
