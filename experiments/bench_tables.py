@@ -189,6 +189,14 @@ def source_scan(report: dict) -> str:
                 f"(`every_block`'s, as a pool hands them): "
                 f"{_kernel(c, 'pallas_block_max_listed_ids')}.",
             ]
+        if "pallas_route_ragged" in c:  # lengths spread evenly over (0, S]
+            lines += [
+                "",
+                f"A ragged batch at {_context(int(n))} (lengths spread evenly over (0, S]): "
+                f"route, max {_ms(c, 'pallas_route_ragged')}; kernel block maxima "
+                f"{_ms(c, 'pallas_block_max_ragged')}, with the ids listed "
+                f"{_ms(c, 'pallas_block_max_ragged_listed_ids')}.",
+            ]
     longest = max(report["contexts"], key=int)
     route = report["contexts"][longest].get("pallas_route", {}).get("kernels", [])
     if big := [k for k in route if k["ms"] >= 0.005]:

@@ -450,13 +450,34 @@ def _kernel(
     weights = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA.reduce(0))
     row = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
 
-    @pl.loop(0, n_tiles)
-    def _tile(tile):
-        slot = lax.rem(tile, num_stages)
-        if ablation == "no_fetch":  # only the prologue's copies arrive
-            pl.when(tile < num_stages)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
-        else:
-            plgpu.barrier_wait(k_barriers.at[slot])
+    def refill(tile, slot):
+        """Starts the copies of tile `tile + num_stages` into `slot`, once the tile in it has
+        been read."""
+
+        @pl.when(tile + num_stages < n_tiles)
+        def _():
+            if ablation != "no_fetch":
+                # The refill's bulk copies write this stage through the async proxy; the loads
+                # before it read it through the generic one. A warpgroup barrier (the one
+                # before `warp_map`) orders threads, not proxies: the proxy fence orders the
+                # loads before the copies (PTX memory model; the interpreter's race detector
+                # reports the refill as a race without it).
+                plgpu.commit_smem()
+                fetch(tile + num_stages, slot)
+
+    def emit(tile, scores):
+        """The tile's 64 masked scores: kept in shared memory (block maxima) or stored."""
+        if block_max:
+            out_smem[tile] = scores  # reduced by block after the last tile (below)
+            return
+        out_slot = lax.rem(tile, 2)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from two tiles ago
+        out_smem[out_slot] = scores
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[out_slot], out_hbm.at[b, split, tile])
+
+    def score_tile(tile, slot):
+        """Reads the tile's rows from `slot`, refills the slot, scores the rows and emits."""
         rows = k_smem.at[slot]
         # 68-byte rows: 4-byte loads only (no wider vectors, no ldmatrix), and some bank
         # conflicts that no 17-word row pitch avoids (`optimized=False` accepts them). The
@@ -468,17 +489,7 @@ def _kernel(
         scale_words = plgpu.load(
             rows.at[:, 16], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False
         )
-
-        @pl.when(tile + num_stages < n_tiles)
-        def _():
-            if ablation != "no_fetch":
-                # The refill's bulk copies write this stage through the async proxy; the loads
-                # above read it through the generic one. A warpgroup barrier (the one before
-                # `warp_map`) orders threads, not proxies: the proxy fence orders the loads
-                # before the copies (PTX memory model; the interpreter's race detector reports
-                # the refill as a race without it).
-                plgpu.commit_smem()
-                fetch(tile + num_stages, slot)
+        refill(tile, slot)
 
         if whole_blocks:
             keys, row_code = _decode_tile(words, scale_words)
@@ -521,17 +532,30 @@ def _kernel(
             pos = block * BLOCK_SIZE + row % BLOCK_SIZE
             visible = (block >= 0) & (pos < limit)
         if block_max:
-            # The tile's scores stay in shared memory until the blocks are reduced (below). NaN
-            # (a 0xFF scale) is no valid score for a block, as in `ops.pool.block_max`.
-            out_smem[tile] = jnp.where(visible & (scores == scores), scores, -jnp.inf)
-            return
-        scores = jnp.where(visible, scores, -jnp.inf)
+            # NaN (a 0xFF scale) is no valid score for a block, as in `ops.pool.block_max`.
+            visible = visible & (scores == scores)
+        emit(tile, jnp.where(visible, scores, -jnp.inf))
 
-        out_slot = lax.rem(tile, 2)
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from two tiles ago
-        out_smem[out_slot] = scores
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[out_slot], out_hbm.at[b, split, tile])
+    @pl.loop(0, n_tiles)
+    def _tile(tile):
+        slot = lax.rem(tile, num_stages)
+        if ablation == "no_fetch":  # only the prologue's copies arrive
+            pl.when(tile < num_stages)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
+        else:
+            plgpu.barrier_wait(k_barriers.at[slot])
+        if ids_hbm is not None:
+            score_tile(tile, slot)
+            return
+        # Every block: a tile past the row's length (no row fetched, every score −inf) is not
+        # decoded or multiplied, so a short row of a batch costs its own length, not the
+        # cache's.
+        live = (first_of_cta + tile * TILE_BLOCKS) * BLOCK_SIZE < limit
+        pl.when(live)(lambda: score_tile(tile, slot))
+
+        @pl.when(~live)
+        def _past_the_row():
+            refill(tile, slot)
+            emit(tile, jnp.where(row >= 0, -jnp.inf, 0.0))  # −inf in the rows' layout
 
     if block_max:
         # Row r of the CTA's scores viewed as [n_tiles·8, 8] is block r's 8 positions (a tile's

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import timing
 from pallas_kernels.pooled_scoring import kernel_mgpu
@@ -136,6 +137,13 @@ def run(
                 api.candidate_source, implementation="pallas", reduce=reduce, **select
             )
             timed(name, jax.jit(route), datasets, entry["bytes"])
+        route_max = functools.partial(
+            api.candidate_source, implementation="pallas", reduce="max", **select
+        )
+        block_max_of_every_block = functools.partial(
+            kernel_only, fn=kernel_mgpu.pooled_block_max_mgpu
+        )
+        block_max_listed = functools.partial(block_max_of_every_block, listed=True)
         for name, fn, n_out, listed in (
             ("pallas_scores", kernel_mgpu.pooled_scores_mgpu, n_pos, False),
             ("pallas_block_max", kernel_mgpu.pooled_block_max_mgpu, n_pos // BLOCK_SIZE, False),
@@ -148,7 +156,18 @@ def run(
         ):
             kernel = functools.partial(kernel_only, fn=fn, listed=listed)
             timed(name, jax.jit(kernel), datasets, rows + small + batch * n_out * 4)
-        del datasets  # room for the scores: 0.27 GB per data set at 1 M x 64
+        # A ragged batch: lengths spread evenly over (0, S] (half the cache visible on average),
+        # where the kernel over every block skips the tiles past each row and the listed ids
+        # (`every_block`'s) do not.
+        spread = jnp.asarray((np.arange(1, batch + 1) * n_pos) // batch, jnp.int32)
+        ragged = [(k, q, w, spread) for k, q, w, _ in datasets]
+        for name, fn in (
+            ("pallas_route_ragged", jax.jit(route_max)),
+            ("pallas_block_max_ragged", jax.jit(block_max_of_every_block)),
+            ("pallas_block_max_ragged_listed_ids", jax.jit(block_max_listed)),
+        ):
+            timed(name, fn, ragged)
+        del datasets, ragged  # room for the scores: 0.27 GB per data set at 1 M x 64
         scores = [
             (
                 jax.random.normal(jax.random.key(9000 * n_pos + i), (batch, n_pos)),
