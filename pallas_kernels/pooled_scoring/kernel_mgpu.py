@@ -31,6 +31,11 @@ and blocks of 8 positions (`supports` says so to callers). How:
   shared memory instead of storing them, then reads them back as [blocks, 8] rows of a WGMMA
   layout (a block's 8 positions in the threads that hold its row), takes each row's max and
   stores the CTA's block maxima once: 4 bytes leave per 8 rows of 68 bytes read.
+- `block_ids=None` (the source scan): every block of the cache, no ids read. A tile's ids are
+  its position in the grid, its rows consecutive positions, and a tile wholly past its row's
+  length is emitted as −inf without a decode or a product, so a ragged batch costs its rows'
+  lengths (2026-12-04: 1.38 against 2.37 ms at 1 M × 64, lengths spread over (0, S]; the
+  branch costs a full-length batch 2.5 %, NOTES.md).
 - The decode emits the 128 dims in the order its registers hold them (`COLUMN_DIMS`: a thread's
   f16 pair is nibbles k and k+4 of one word), so q is permuted the same way once per call
   (`permute_dims`): q·k is unchanged and no register shuffles are needed.
