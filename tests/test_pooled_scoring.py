@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
 
-from pallas_kernels.pooled_scoring import pooled_scores
+from pallas_kernels.pooled_scoring import kernel_mgpu, pooled_scores
 from pallas_kernels.pooled_scoring.kernel_mgpu import TuningConfig, kernel_queries, permute_dims
 from v41jax.ops import formats
 from v41jax.ops.pool import (
@@ -223,6 +223,12 @@ def test_rejects_unsupported_arguments():
         pooled_scores(bf16_rows, *inputs[1:], fmt="bf16", implementation="pallas")
     with pytest.raises(ValueError, match="k_packed"):
         pooled_scores(inputs[0][..., :-1], *inputs[1:])
+    words = kernel_mgpu.packed_words(inputs[0])  # 26 blocks: 208 positions at most
+    for call in (kernel_mgpu.pooled_scores_mgpu, kernel_mgpu.pooled_block_max_mgpu):
+        with pytest.raises(ValueError, match="n_pos: required"):
+            call(words, *inputs[1:3], None, inputs[4])
+        with pytest.raises(ValueError, match=r"n_pos: expected 0 … 208 .*, got 209"):
+            call(words, *inputs[1:3], None, inputs[4], n_pos=209, interpret=True)
 
 
 # --- the same checks compiled on a GPU, at the benchmark's head count and dim ---

@@ -724,6 +724,12 @@ def _pooled(
         raise ValueError(
             f"k_packed: expected words [B, blocks, {BLOCK_WORDS}], got {k_words.shape}"
         )
+    if not 0 <= n_pos <= k_words.shape[1] * BLOCK_SIZE:
+        # Past the words' blocks the kernel would read the last block again (it clamps).
+        raise ValueError(
+            f"n_pos: expected 0 … {k_words.shape[1] * BLOCK_SIZE} (the words' "
+            f"{k_words.shape[1]} blocks of {BLOCK_SIZE}), got {n_pos}"
+        )
     every_block = block_ids is None
     n_slots = -(-n_pos // BLOCK_SIZE) if every_block else block_ids.shape[1]
     n_tiles_total = -(-n_slots // TILE_BLOCKS)
