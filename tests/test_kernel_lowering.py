@@ -122,17 +122,9 @@ def test_the_candidate_source_lowers(reduce, topk_blocks, index_topk):
     assert calls["mosaic_gpu"] >= 1, calls
 
 
-@pytest.mark.parametrize("backend", attention_api.BACKENDS)
-@pytest.mark.parametrize("heads", [64, 128, 3])
-def test_fp4_sparse_attention_lowers(backend, heads):
-    """V4.1's 512-dim NVFP4 rows and FP8 window, top-512, at the GPU tests' head counts."""
-    batch, dim, n_kv, topk, window = 2, 512, 4096, 512, 128
-    attend = functools.partial(
-        attention_api.fp4_sparse_attention,
-        implementation="pallas",
-        config=attention_api.Config(backend=backend),
-    )
-    args = (
+def attention_args(heads, batch=2, dim=512, n_kv=4096, topk=512, window=128):
+    """The attention's arguments at V4.1's sizes: 512-dim NVFP4 rows, top-512, an FP8 window."""
+    return (
         spec((batch, heads, dim), jnp.bfloat16),
         packed(batch, n_kv, dim, "nvfp4"),
         spec((batch, topk), i32),
@@ -140,6 +132,18 @@ def test_fp4_sparse_attention_lowers(backend, heads):
         spec((batch, window), jnp.bool_),
         spec((heads,), f32),
     )
+
+
+@pytest.mark.parametrize("backend", attention_api.BACKENDS)
+@pytest.mark.parametrize("heads", [64, 128, 3])
+def test_fp4_sparse_attention_lowers(backend, heads):
+    """V4.1's 512-dim NVFP4 rows and FP8 window, top-512, at the GPU tests' head counts."""
+    attend = functools.partial(
+        attention_api.fp4_sparse_attention,
+        implementation="pallas",
+        config=attention_api.Config(backend=backend),
+    )
+    args = attention_args(heads)
     calls = lowering.custom_calls(lowering.lower_for_gpu(attend, *args))
     kernel = "mosaic_gpu" if backend == "mgpu" else "triton"
     assert calls[kernel] >= 1, calls
@@ -148,21 +152,13 @@ def test_fp4_sparse_attention_lowers(backend, heads):
 def test_the_attention_kernels_leave_one_out_variant_lowers():
     """`TuningConfig(ablation='no_topk_rows')` (the benchmark's leave-one-out timing) lowers,
     and a config it does not apply to is refused by name."""
-    batch, heads, dim, n_kv, topk, window = 2, 64, 512, 4096, 512, 128
     tuning = kernel_mgpu.TuningConfig(ablation="no_topk_rows")
     attend = functools.partial(
         attention_api.fp4_sparse_attention,
         implementation="pallas",
         config=attention_api.Config(mgpu=tuning),
     )
-    args = (
-        spec((batch, heads, dim), jnp.bfloat16),
-        packed(batch, n_kv, dim, "nvfp4"),
-        spec((batch, topk), i32),
-        packed(batch, window, dim, "fp8"),
-        spec((batch, window), jnp.bool_),
-        spec((heads,), f32),
-    )
+    args = attention_args(64)
     lowers_to(attend, *args, mosaic_gpu=1)
     with pytest.raises(ValueError, match="ablation: expected None or 'no_topk_rows'"):
         kernel_mgpu.TuningConfig(ablation="no_decode")

@@ -338,16 +338,17 @@ def _kernel(
     if ids_hbm is None:
         # Every block of the cache (`every_block` without its ids): slot i of tile t is block
         # (split·n_tiles + t)·8 + i, listed while it holds a position < limit (−1 after).
-        first_of_cta = split * (n_tiles * TILE_BLOCKS)
+        def first_block(tile):
+            return (split * n_tiles + tile) * TILE_BLOCKS
 
         def block_id(tile, i):
-            block = first_of_cta + tile * TILE_BLOCKS + i
+            block = first_block(tile) + i
             return jnp.where(block * BLOCK_SIZE < limit, block, -1)
 
         def whole_tile(tile):
             """Whether the tile is 8 blocks of the cache holding visible positions (its first id
             is a multiple of 8), and that first id."""
-            first = first_of_cta + tile * TILE_BLOCKS
+            first = first_block(tile)
             # limit ≤ S: a block holding a position < limit lies in the cache.
             return (first + TILE_BLOCKS - 1) * BLOCK_SIZE < limit, first
 
@@ -527,7 +528,7 @@ def _kernel(
         scores = jnp.where(row_code == 0xFF, jnp.nan, scores * row_scale)
 
         if ids_hbm is None:  # every block: the tile's rows are consecutive positions
-            pos = (first_of_cta + tile * TILE_BLOCKS) * BLOCK_SIZE + row
+            pos = first_block(tile) * BLOCK_SIZE + row
             visible = pos < limit
         else:
             # Position of each row: block id of its slot (8 scalars, selected per row) · 8 + offset.
@@ -554,7 +555,7 @@ def _kernel(
         # Every block: a tile past the row's length (no row fetched, every score −inf) is not
         # decoded or multiplied, so a short row of a batch costs its own length, not the
         # cache's.
-        live = (first_of_cta + tile * TILE_BLOCKS) * BLOCK_SIZE < limit
+        live = first_block(tile) * BLOCK_SIZE < limit
         pl.when(live)(lambda: score_tile(tile, slot))
 
         @pl.when(~live)

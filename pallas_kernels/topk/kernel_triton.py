@@ -140,7 +140,9 @@ def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_b
     bits = lax.bitcast_convert_type(x, jnp.int32)
     keys = jnp.where(bits < 0, bits ^ np.int32(0x7FFFFFFF), bits)
     everything = keys == keys
-    t, _ = _search(keys, everything, jnp.int32(k), jnp.int32(n_pad), 32, digit_bits, _SIGN)
+    t, at_or_above = _search(
+        keys, everything, jnp.int32(k), jnp.int32(n_pad), 32, digit_bits, _SIGN
+    )
     t = t ^ _SIGN
     # Where the search stopped early, t need not be a key: the keys ≥ t are the k picks, and
     # those > t and = t together are they, the ties (if any) all kept by the rank search below,
@@ -149,8 +151,9 @@ def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_b
     ties = keys == t
     position = lax.broadcasted_iota(jnp.int32, (n_pad,), 0)
     rank = (n_pad - 1 - position) if tie_order == "oldest" else position
-    left = k - jnp.sum(jnp.where(above, 1, 0).astype(jnp.int32))
-    n_ties = jnp.sum(jnp.where(ties, 1, 0).astype(jnp.int32))
+    n_above = jnp.sum(jnp.where(above, 1, 0).astype(jnp.int32))
+    left = k - n_above
+    n_ties = at_or_above - n_above  # the search's count of keys ≥ t, less those > t
     rank_bits = max(1, (n_pad - 1).bit_length())
     r, _ = _search(rank, ties, left, n_ties, rank_bits, digit_bits, np.int32(0))
     picked = (above | (ties & (rank >= r))) & (x > -jnp.inf)
