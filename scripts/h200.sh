@@ -7,6 +7,7 @@
 #                                   # checks, ~9 minutes) | route_check | decode_tests |
 #                                   # scan_check (issue 16's open checks, a call each) |
 #                                   # early_exit_tests | early_exit_bench (the fifth session's)
+#                                   # segments (the sixth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -130,6 +131,23 @@ if [[ $stage == early_exit_bench ]]; then
     --datasets 2 --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
   timeout -s INT 160 "$PY" -m pallas_kernels.pooled_scoring.sass --out "$OUT/sass_mix.json" \
     || status=1
+fi
+if [[ $stage == segments ]]; then
+  # 2026-12-04 (sixth session), call 1: the radix-select kernel with a row split over several
+  # programs (`select(segments=...)`) and pooled scoring's top-k without the picks' sort
+  # (`ascending_ids`), compiled against the definitions; the top-k at the decode step's
+  # three leaf shapes with 1, 2, 4, 8 segments; pooled scoring with its top-k at 1 M.
+  # Guards total 570 s.
+  timeout -s INT 190 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_topk_select.py \
+    2>&1 | tee "$OUT/gpu_tests_topk.log" | tail -8 || status=1
+  timeout -s INT 150 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_pooled_scoring.py \
+    2>&1 | tee "$OUT/gpu_tests_pooled.log" | tail -8 || status=1
+  timeout -s INT 110 "$PY" -m pallas_kernels.topk.bench --iterations 10 --datasets 2 \
+    --digit-bits 1 --kernel-segments 2 4 8 \
+    --shapes pool_slots source_block_leaves source_own_slots \
+    --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
+  timeout -s INT 130 "$PY" -m pallas_kernels.pooled_scoring.bench --contexts 1048576 \
+    --datasets 2 --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

@@ -6,6 +6,7 @@ the whole pass) and the kernels' `supports`.
 """
 
 import functools
+import itertools
 import math
 
 import jax
@@ -39,7 +40,8 @@ topk_jit = jax.jit(topk, static_argnames=("k", "tie_order", "neginf_picks"))
 scores_jit = jax.jit(index_scores, static_argnames=("score_dtype",))
 select_jit = jax.jit(select_candidate_blocks, static_argnums=(2, 3), static_argnames="tie_order")
 pool_topk_jit = jax.jit(
-    pool_topk_from_scores, static_argnames=("k", "block_size", "tie_order", "neginf_picks")
+    pool_topk_from_scores,
+    static_argnames=("k", "block_size", "tie_order", "neginf_picks", "ascending_ids"),
 )
 
 
@@ -197,7 +199,8 @@ def test_pool_slots_topk_equals_full_topk(tie_order, neginf_picks):
     """The compact form (scores of the pool's slots, `pool_topk_from_scores`: what the chunked
     pass and the pooled-scoring kernel use) picks what the mask form picks over every position,
     including the out-of-pool positions 'keep' adds, for pools of real candidate blocks and for
-    arbitrary ascending −1-padded block ids (the newest block not always among them)."""
+    arbitrary ascending −1-padded block ids (the newest block not always among them); with
+    and without the sort of the picks that `ascending_ids=True` skips."""
     scores, lens, _ = tied_scores(4, 14, 83)
     rng = np.random.default_rng(4)
     arbitrary = np.full((14, 5), -1)
@@ -213,7 +216,7 @@ def test_pool_slots_topk_equals_full_topk(tie_order, neginf_picks):
             -np.inf,
         )
         mask = np.asarray(pool_mask_from_block_ids(block_ids, 83, 8, lens))
-        for k in (0, 5, 30):
+        for k, ascending_ids in itertools.product((0, 5, 30), (False, True)):
             got = pool_topk_jit(
                 slot_scores,
                 block_ids,
@@ -222,9 +225,10 @@ def test_pool_slots_topk_equals_full_topk(tie_order, neginf_picks):
                 lengths=lens,
                 tie_order=tie_order,
                 neginf_picks=neginf_picks,
+                ascending_ids=ascending_ids,
             )
             want = np_topk(scores, k, mask, tie_order, neginf_picks)
-            np.testing.assert_array_equal(got.indices, want, err_msg=f"k={k}")
+            np.testing.assert_array_equal(got.indices, want, err_msg=f"k={k}, {ascending_ids}")
     with pytest.raises(ValueError, match="lengths"):
         pool_topk_from_scores(slot_scores, block_ids, 5, neginf_picks="keep")
 

@@ -71,6 +71,13 @@ def test_the_radix_select_kernel_lowers(digit_bits):
             lowers_to(select, spec((4, n), f32), triton=1)
 
 
+def test_the_radix_select_kernel_over_segments_lowers():
+    """A row split over 2 and 4 programs: two calls of the kernel (the parts, then their picks)."""
+    for segments in (2, 4):
+        select = functools.partial(kernel_triton.select, k=512, digit_bits=1, segments=segments)
+        lowers_to(select, spec((4, 16_384), f32), triton=2)
+
+
 def test_the_kernel_top_k_lowers_beyond_one_program():
     """131,072 block scores (1 M positions): `blocks.topk` with the kernel at its leaves."""
     select = functools.partial(

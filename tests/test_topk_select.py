@@ -9,6 +9,7 @@ selecting through it.
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,55 @@ def test_the_radix_select_kernel_equals_the_definition(tie_order, digit_bits):
             jnp.asarray(scores), k, tie_order=tie_order, digit_bits=digit_bits, interpret=True
         )
         assert_same_picks(got, definition(scores, k, tie_order=tie_order))
+
+
+@pytest.mark.parametrize("tie_order", scoring.TIE_ORDERS)
+def test_the_kernel_over_segments_of_a_row_equals_the_definition(tie_order):
+    """Each row split over 2 or 4 programs, then one more over their picks: the definition's
+    picks, rows of every kind side by side. 203 scores (padded to 256) in 4 parts of 64 at
+    k = 67 (every score of a part is its candidate), at k = 5 (five of each); 64 in 2 at
+    k = 30; ties across the parts' boundaries ('ties', 'special') go by position. A part
+    wholly −inf (the padding) has no candidate."""
+    rng = np.random.default_rng([len(tie_order), 13])
+    kinds = ["normal", "ties", "relu", "special"]
+    for n, k, segments in ((203, 67, 4), (203, 5, 4), (64, 30, 2)):
+        scores = np.concatenate([random_rows(rng, (2, n), kind) for kind in kinds])
+        got = kernel_triton.select(
+            jnp.asarray(scores),
+            k,
+            tie_order=tie_order,
+            digit_bits=1,
+            segments=segments,
+            interpret=True,
+        )
+        assert_same_picks(got, definition(scores, k, tie_order=tie_order))
+
+
+def test_the_kernel_over_segments_has_the_definitions_gradient():
+    """Through both passes a pick's score carries its position's tangent."""
+    rng = np.random.default_rng(17)
+    scores = jnp.asarray(random_rows(rng, (2, 100), "ties"))
+    weights = jnp.asarray(rng.standard_normal((2, 20)), jnp.float32)
+
+    def loss(scores, select):
+        picks = select(scores, 20)
+        return jnp.sum(jnp.where(picks.indices >= 0, picks.scores, 0.0) * weights)
+
+    segmented = functools.partial(kernel_triton.select, digit_bits=1, segments=4, interpret=True)
+    got = jax.grad(loss)(scores, segmented)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.grad(loss)(scores, definition)))
+    assert np.count_nonzero(np.asarray(got)) == 2 * 20
+
+
+def test_the_kernel_refuses_segments_it_cannot_split_into():
+    """Not a power of two, or more parts than the padded row's scores: refused by name with
+    what it takes."""
+    for segments in (0, 3, 512):
+        limits = kernel_triton.supports(203, 5, digit_bits=1, segments=segments).limits
+        assert [limit.argument for limit in limits] == ["segments"], segments
+    assert kernel_triton.supports(203, 5, digit_bits=1, segments=256)  # parts of one score
+    with pytest.raises(ValueError, match="segments: expected a power of two"):
+        kernel_triton.select(jnp.ones((2, 16)), 4, digit_bits=1, segments=3, interpret=True)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -411,5 +461,22 @@ def test_the_radix_select_kernel_compiled_equals_the_definition_gpu(digit_bits):
         for tie_order in scoring.TIE_ORDERS:
             got = kernel_triton.select(
                 jnp.asarray(scores), k, tie_order=tie_order, digit_bits=digit_bits
+            )
+            assert_same_picks(got, definition(scores, k, tie_order=tie_order))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU as jax's default backend")
+def test_the_radix_select_kernel_over_segments_compiled_equals_the_definition_gpu():
+    """Rows split over 2 and 4 compiled programs, then their picks selected: the definition's
+    picks on the same GPU at a padded row, the own top-512 of 4,096 slots and the pool's
+    16,384, both tie orders."""
+    rng = np.random.default_rng(23)
+    for n, k in ((203, 67), (4_096, 512), (16_384, 512)):
+        kinds = ["normal", "ties", "relu", "special"]
+        scores = np.concatenate([random_rows(rng, (2, n), kind) for kind in kinds])
+        for tie_order, segments in itertools.product(scoring.TIE_ORDERS, (2, 4)):
+            got = kernel_triton.select(
+                jnp.asarray(scores), k, tie_order=tie_order, digit_bits=1, segments=segments
             )
             assert_same_picks(got, definition(scores, k, tie_order=tie_order))

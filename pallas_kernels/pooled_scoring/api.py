@@ -152,6 +152,7 @@ def pooled_scores(
     score_dtype: str = "float32",
     tie_order: str = "oldest",
     neginf_picks: str = "drop",
+    ascending_ids: bool = False,
 ) -> Float[Array, "batch n_pool"] | TopK:
     """Scores of a query's candidate pool, optionally reduced to its top-k positions.
 
@@ -170,6 +171,9 @@ def pooled_scores(
       tie_order: 'oldest' | 'newest': which of equal scores the top-k keeps.
       neginf_picks: 'drop' | 'keep': with 'keep' the top-k is completed with visible positions
         outside the pool when the pool holds fewer than `topk` (`ops.pool.pool_topk_from_scores`).
+      ascending_ids: with `topk`, the caller's promise that each row's valid block ids ascend
+        (a `CandidatePool`'s do): the picks' sort by position is skipped
+        (`ops.pool.pool_topk_from_scores`).
 
     Returns:
       Without `topk`: [B, NB·block_size] float32 scores in block order (slot i·block_size + j is
@@ -194,4 +198,5 @@ def pooled_scores(
         tie_order=tie_order,
         neginf_picks=neginf_picks,
         select=functools.partial(topk_api.topk, implementation=implementation),
+        ascending_ids=ascending_ids,
     )

@@ -182,7 +182,11 @@ def run(
                 )
         picks = jax.jit(
             functools.partial(
-                api.pooled_scores, implementation="pallas", topk=topk, config=configs[0]
+                api.pooled_scores,
+                implementation="pallas",
+                topk=topk,
+                config=configs[0],
+                ascending_ids=True,  # the ids are sorted, as a CandidatePool's (the model's call)
             )
         )
         timed("pallas_topk", picks, n_bytes=bytes_topk)

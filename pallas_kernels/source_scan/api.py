@@ -162,7 +162,13 @@ def candidate_source(
     best = _best_blocks(maxima, block_ids, min(index_topk, maxima.shape[1]), tie_order, select)
     slot_scores = kernel_mgpu.pooled_scores_mgpu(words, q, weights, best, lengths, **kernel)
     own = pool.pool_topk_from_scores(
-        slot_scores, best, index_topk, block_size=block_size, tie_order=tie_order, select=select
+        slot_scores,
+        best,
+        index_topk,
+        block_size=block_size,
+        tie_order=tie_order,
+        select=select,
+        ascending_ids=True,  # `_best_blocks`' ids ascend
     )
     return SourceSelection(block_ids, own)
 
@@ -215,7 +221,10 @@ def _best_blocks(maxima, pool_ids, k, tie_order, select):
     The check is made on the pool's own maxima: an unpinned +inf block caps to float32's
     largest, the top capped rank after the pin, so the pool then holds a block whose raw max is
     at least that (itself, or one it ties with). Where any pool block's raw max reaches float32's
-    largest, or k ≥ topk_blocks, every block is ranked again."""
+    largest, or k ≥ topk_blocks, every block is ranked again.
+
+    The ids ascend, then −1, either way: a top-k's picks, or the ascending pool's at ascending
+    slots."""
 
     def every_block():
         return select(maxima, k, tie_order=tie_order).indices

@@ -15,8 +15,9 @@ batch 64:
 - `source_blocks`: the candidate source's pool, the top 2,048 of 131,072 block scores;
 - `source_block_leaves`: each of the two selections that one makes through the best blocks
   (2,048 of 16,384: the groups of 8 blocks, then the blocks of the best groups);
-- `source_positions`: the candidate source's own top-512 of 1,048,576 position scores (what
-  the source-scan route selects from today).
+- `source_positions`: the candidate source's own top-512 of 1,048,576 position scores (the
+  definition's selection; the route selects it as below);
+- `source_own_slots`: the route's own top-512, from the 512 best blocks' 4,096 slots.
 
 The scores are ReLU-like (a third of them exactly 0, a tenth −inf), so ties are as common as
 in the model. Every entry also records whether its picks equal the sort's on the data it was
@@ -42,6 +43,7 @@ SHAPES = {
     "source_blocks": (131_072, 2_048),
     "source_block_leaves": (16_384, 2_048),
     "source_positions": (1_048_576, 512),
+    "source_own_slots": (4_096, 512),
 }
 """name: (scores per query, k) at 1 M tokens, pool 2,048 blocks of 8, index_topk 512."""
 
@@ -63,6 +65,7 @@ def run(
     progress: Callable[[dict], None] | None = None,
     implementation: str = "pallas",
     kernel_warps: tuple[int, ...] = (),
+    kernel_segments: tuple[int, ...] = (),
 ) -> dict:
     """Times the sort, the selection through the best blocks, the radix select and the
     radix-select kernel (each of `digit_bits` they take) at each of `shapes`.
@@ -79,6 +82,8 @@ def run(
       kernel_warps: also time the kernel alone (`kernel_triton.select`) with each of these
         warps per program, at the shapes whose rows it holds whole (entries
         `kernel_{bits}bit_{warps}w`): a tuning of `kernel_triton.default_warps`.
+      kernel_segments: also time the kernel alone with each row split over this many programs
+        (`kernel_triton.select(segments=...)`, entries `kernel_{bits}bit_{segments}seg`).
     """
     out = {
         "device": jax.devices()[0].device_kind,
@@ -118,8 +123,14 @@ def run(
             for warps in kernel_warps
             if kernel_triton.supports(n, k, digit_bits=bits, num_warps=warps)
         ]
+        methods += [
+            (f"kernel_{bits}bit_{segments}seg", {"digit_bits": bits, "segments": segments})
+            for bits in digit_bits
+            for segments in kernel_segments
+            if kernel_triton.supports(n, k, digit_bits=bits, segments=segments)
+        ]
         for label, method in methods:
-            if "num_warps" in method:
+            if "num_warps" in method or "segments" in method:
                 fn = functools.partial(kernel_triton.select, interpret=interpret)
             else:
                 fn = functools.partial(api.topk, implementation=implementation)
@@ -158,6 +169,13 @@ def main() -> None:
         choices=kernel_triton.WARPS,
         help="also time the kernel alone at these warps per program (rows it holds whole)",
     )
+    parser.add_argument(
+        "--kernel-segments",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time the kernel alone with each row split over this many programs",
+    )
     args = parser.parse_args()
 
     save = timing.json_writer(args.out)
@@ -170,6 +188,7 @@ def main() -> None:
         n_datasets=args.datasets,
         progress=save,
         kernel_warps=tuple(args.kernel_warps),
+        kernel_segments=tuple(args.kernel_segments),
     )
     save(result)
     print(json.dumps(result, indent=1))

@@ -77,9 +77,15 @@ def supports(
     tie_order: str = "oldest",
     digit_bits: int = 2,
     num_warps: int | None = None,
+    segments: int = 1,
 ) -> Support:
-    """Whether one program per row selects k of n scores under `tie_order` by `digit_bits`,
-    with `num_warps` warps (None: `default_warps`)."""
+    """Whether the kernel selects k of n scores per row under `tie_order` by `digit_bits`,
+    with `num_warps` warps per program (None: `default_warps`), each row split over `segments`
+    programs (`select`): a power of two, at most the padded row's scores (the candidates
+    left for the second pass, `segments`·min(k, a part's scores), are then at most the padded
+    row's `MAX_N`)."""
+    n_pad = pl.next_power_of_2(max(n, 1))
+    valid_segments = segments >= 1 and segments & (segments - 1) == 0 and segments <= n_pad
     return support(
         "the radix-select kernel (pallas_kernels.topk.kernel_triton)",
         (1 <= n <= MAX_N, "n", f"1 ≤ scores per row ≤ {MAX_N}", n),
@@ -88,6 +94,8 @@ def supports(
         (digit_bits in DIGIT_BITS, "digit_bits", f"one of {DIGIT_BITS}", digit_bits),
         (num_warps is None or num_warps in WARPS, "num_warps", f"None or one of {WARPS}",
          num_warps),
+        (valid_segments, "segments", f"a power of two ≤ the padded row's {n_pad} scores",
+         segments),
     )  # fmt: skip
 
 
@@ -168,7 +176,8 @@ def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_b
 
 
 @functools.partial(
-    jax.jit, static_argnames=("k", "tie_order", "digit_bits", "interpret", "num_warps")
+    jax.jit,
+    static_argnames=("k", "tie_order", "digit_bits", "interpret", "num_warps", "segments"),
 )
 def select(
     scores: Float[Array, "*batch n"],
@@ -178,6 +187,7 @@ def select(
     digit_bits: int = 2,
     interpret: bool = False,
     num_warps: int | None = None,
+    segments: int = 1,
 ) -> TopK:
     """`scoring.topk(scores, k, tie_order=tie_order)` (no mask, −inf picks dropped) bit for
     bit, one program per row (module docstring) of `num_warps` warps (None: `default_warps`);
@@ -185,18 +195,54 @@ def select(
     carries its position's tangent, a −1 slot none (`_select`'s JVP; the kernel itself has no
     derivative).
 
+    `segments` > 1 splits each row (padded to a power of two) into that many contiguous parts,
+    one program each, then selects among the parts' picks with one more program per row
+    (`_segmented`): the same picks, from `segments` times the programs, for batches too small
+    to fill the GPU's SMs with one program per row.
+
     Returns `TopK(indices [..., k] ascending then −1, scores [..., k] float32, −inf at −1)`.
     """
     *batch, n = scores.shape
-    supported = supports(n, k, tie_order=tie_order, digit_bits=digit_bits, num_warps=num_warps)
+    supported = supports(
+        n, k, tie_order=tie_order, digit_bits=digit_bits, num_warps=num_warps, segments=segments
+    )
     if not supported:
         raise supported.error()
     rows = int(np.prod(batch, dtype=np.int64))
     if rows == 0:  # no program to run (a grid of 0 is not a call)
         return TopK(jnp.zeros((*batch, k), jnp.int32), jnp.zeros((*batch, k), jnp.float32))
     flat = scores.astype(jnp.float32).reshape(rows, n)
-    indices, values = _select(flat, k, tie_order, digit_bits, interpret, num_warps)
+    if segments > 1:
+        indices, values = _segmented(flat, k, tie_order, digit_bits, interpret, num_warps, segments)
+    else:
+        indices, values = _select(flat, k, tie_order, digit_bits, interpret, num_warps)
     return TopK(indices.reshape(*batch, k), values.reshape(*batch, k))
+
+
+def _segmented(flat, k: int, tie_order, digit_bits, interpret, warps, segments: int):
+    """`select` over rows [rows, n] split into `segments` parts: each part's best min(k, part)
+    by one program, then the best k of those candidates by another. Exact: the k best of a row
+    under the selection's total order (score, then position by `tie_order`) are among the k
+    best of the part that holds them. The candidates, part after part and ascending within a
+    part, are in position order, so ranking their slots by `tie_order` ranks their positions;
+    the parts' −1 picks score −inf and are dropped again."""
+    rows, n = flat.shape
+    n_pad = pl.next_power_of_2(n)
+    if n_pad != n:
+        flat = jnp.pad(flat, ((0, 0), (0, n_pad - n)), constant_values=-jnp.inf)
+    part = n_pad // segments
+    k_part = min(k, part)
+    indices, values = _select(
+        flat.reshape(rows * segments, part), k_part, tie_order, digit_bits, interpret, warps
+    )
+    indices = indices.reshape(rows, segments, k_part)
+    offsets = (part * jnp.arange(segments, dtype=jnp.int32))[:, None]
+    candidates = jnp.where(indices >= 0, indices + offsets, -1).reshape(rows, -1)
+    picks, scores = _select(
+        values.reshape(rows, segments * k_part), k, tie_order, digit_bits, interpret, None
+    )
+    positions = jnp.take_along_axis(candidates, jnp.maximum(picks, 0), axis=-1)
+    return jnp.where(picks >= 0, positions, -1), scores
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))

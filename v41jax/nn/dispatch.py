@@ -164,7 +164,7 @@ def pooled_topk(
     """A Reindex layer's top-k inside the candidate pool at decode, reading only the pool's packed
     index keys (`ops.pool.pooled_topk` for 'xla'); the selection rules of `ops.scoring.topk`
     with the config's score dtype, tie order and −inf picks (positions ≥ compress_lens
-    invisible)."""
+    invisible). `block_ids` are a `CandidatePool`'s: ascending, then −1."""
     return pooled_kernel.pooled_scores(
         index_k_packed,
         q,
@@ -178,6 +178,7 @@ def pooled_topk(
         score_dtype=config.index_score_dtype,
         tie_order=config.tie_order,
         neginf_picks=config.neginf_picks,
+        ascending_ids=True,  # a CandidatePool's block ids
     )
 
 

@@ -263,6 +263,7 @@ def select_chunk(
             lengths=compress_lens,
             tie_order=config.tie_order,
             neginf_picks=config.neginf_picks,
+            ascending_ids=True,  # a CandidatePool's block ids
         )
         return ChunkSelection(picks.indices, None)
     scores = index_scores(q, weights, index_k, compress_lens, score_dtype=config.index_score_dtype)

@@ -644,6 +644,7 @@ def pool_topk_from_scores(
     tie_order: str = "oldest",
     neginf_picks: str = "drop",
     select: Select = topk,
+    ascending_ids: bool = False,
 ) -> TopK:
     """The k best pool slots as positions, sorted ascending, −1 padded (`scoring.topk`'s rules).
 
@@ -657,12 +658,18 @@ def pool_topk_from_scores(
     `select` is the top-k of the slots: `scoring.topk`, or an implementation of the same picks
     (`Select`; the kernel routes pass `pallas_kernels.topk`'s).
 
+    `ascending_ids=True` is the caller's promise that each row's valid block ids ascend (a
+    `CandidatePool`'s do, and a `TopK`'s indices): the slot picks, ascending, are then in
+    position order, and their sort by position is skipped (a sort of k per row: 6.3 µs of the
+    pooled top-k at batch 64 on the H200, BENCHMARKS.md). Unsorted ids under that promise would
+    leave the positions unsorted, which the debug mode's `invariants.check_selection` reports.
+
     Returns `TopK(indices [..., k] int32 positions, scores [..., k])`.
     """
     tie_order = require_option("tie_order", tie_order, TIE_ORDERS)
     picks = select(scores, k, tie_order=tie_order)
     return _slot_picks_to_positions(
-        picks, block_ids, k, block_size, lengths, tie_order, neginf_picks
+        picks, block_ids, k, block_size, lengths, tie_order, neginf_picks, ascending_ids
     )
 
 
@@ -674,14 +681,17 @@ def _slot_picks_to_positions(
     lengths: Int[ArrayLike, "*batch"] | None,
     tie_order: str,
     neginf_picks: str,
+    ascending_ids: bool = False,
 ) -> TopK:
     """The second half of `pool_topk_from_scores`: `topk`'s picks of pool slots (−1 padded) as
     positions sorted ascending, completed with out-of-pool positions under 'keep'."""
     pos = pool_positions(block_ids, block_size)
     positions = jnp.take_along_axis(pos, jnp.maximum(picks.indices, 0), axis=-1)
     positions = jnp.where(picks.indices >= 0, positions, -1)
-    # Unsorted block ids would leave the positions unsorted: sort them, dropped picks last.
-    picks = sorted_picks(positions, picks.scores, positions >= 0)
+    if ascending_ids:  # ascending slots in ascending blocks: position order already
+        picks = TopK(positions, picks.scores)
+    else:  # unsorted block ids would leave the positions unsorted: sort, dropped picks last
+        picks = sorted_picks(positions, picks.scores, positions >= 0)
     if require_option("neginf_picks", neginf_picks, NEGINF_PICKS) == "keep":
         if lengths is None:
             raise ValueError(
