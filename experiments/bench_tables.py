@@ -135,6 +135,12 @@ def _natural(label: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", label)]
 
 
+_SCORES = {
+    "relu": "ReLU-like scores, a third 0",
+    "distinct": "distinct normal scores, as a full pool's",
+}
+
+
 def topk(report: dict) -> str:
     """`pallas_kernels.topk.bench`: the sort against the selection through the best blocks, the
     radix select and the radix-select kernel at each pass width."""
@@ -144,7 +150,9 @@ def topk(report: dict) -> str:
     widths += sorted((n for n in names if n.startswith("radix_")), key=_natural)
     widths += sorted((n for n in names if n.startswith("kernel_")), key=_natural)
     lines = [
-        f"Top-k of the decode step (batch {report['batch']}; ReLU-like scores, a third 0):",
+        f"Top-k of the decode step (batch {report['batch']}; "
+        + _SCORES[report.get("scores", "relu")]
+        + "):",
         "",
         "| selection | n | k | XLA sort | " + " | ".join(widths) + " | best vs sort | same picks |",
         "|---|---|---|---|" + "---|" * len(widths) + "---|---|",

@@ -7,7 +7,7 @@
 #                                   # checks, ~9 minutes) | route_check | decode_tests |
 #                                   # scan_check (issue 16's open checks, a call each) |
 #                                   # early_exit_tests | early_exit_bench (the fifth session's)
-#                                   # segments (the sixth's)
+#                                   # segments | segments_tune (the sixth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -148,6 +148,20 @@ if [[ $stage == segments ]]; then
     --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
   timeout -s INT 130 "$PY" -m pallas_kernels.pooled_scoring.bench --contexts 1048576 \
     --datasets 2 --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
+fi
+if [[ $stage == segments_tune ]]; then
+  # Call 2: the pooled-scoring kernel's tiling swept at 1 M (CTAs against the SMs' slots), the
+  # top-k's row split on distinct scores (a full pool's), and the source-scan route at 1 M
+  # without the own top-k's sort. Guards total 570 s.
+  timeout -s INT 180 "$PY" -m pallas_kernels.pooled_scoring.bench --contexts 1048576 \
+    --datasets 2 --sweep 16,4 8,4 16,2 8,2 24,4 12,4 32,2 \
+    --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
+  timeout -s INT 150 "$PY" -m pallas_kernels.topk.bench --iterations 10 --datasets 2 \
+    --digit-bits 1 --kernel-segments 2 4 --scores distinct \
+    --shapes pool_slots source_block_leaves source_own_slots \
+    --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
+  timeout -s INT 240 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
+    --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

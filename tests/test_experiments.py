@@ -812,8 +812,9 @@ def test_every_printed_table_in_benchmarks_md_is_what_its_command_prints(capsys,
 
 
 def test_the_topk_benchmark_times_the_kernel_at_each_warp_count(monkeypatch):
-    """`topk.bench --kernel-warps`: the kernel alone at each warp count it takes, its picks
-    checked against the sort, one table column per count (the device timer faked)."""
+    """`topk.bench --kernel-warps --kernel-segments --scores distinct`: the kernel alone at each
+    warp count and row split it takes, its picks checked against the sort, one table column
+    each, the scores' kind in the title (the device timer faked)."""
     from experiments import bench_tables
     from pallas_kernels import timing
     from pallas_kernels.topk import bench as topk_bench
@@ -827,11 +828,16 @@ def test_the_topk_benchmark_times_the_kernel_at_each_warp_count(monkeypatch):
         n_datasets=1,
         implementation="pallas_interpret",
         kernel_warps=(2, 4),
+        kernel_segments=(2, 3),  # 3 is not a split the kernel takes: no entry
+        scores="distinct",
     )
     entry = report["shapes"]["pool"]
-    for label in ("kernel_1bit", "kernel_1bit_2w", "kernel_1bit_4w"):
+    for label in ("kernel_1bit", "kernel_1bit_2w", "kernel_1bit_4w", "kernel_1bit_2seg"):
         assert entry[label]["equal_to_sort"], (label, entry[label])
-    assert "| kernel_1bit | kernel_1bit_2w | kernel_1bit_4w |" in bench_tables.topk(report)
+    assert "kernel_1bit_3seg" not in entry
+    table = bench_tables.topk(report)
+    assert "| kernel_1bit | kernel_1bit_2seg | kernel_1bit_2w | kernel_1bit_4w |" in table, table
+    assert "(batch 2; distinct normal scores, as a full pool's):" in table, table
 
 
 def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypatch):

@@ -19,9 +19,10 @@ batch 64:
   definition's selection; the route selects it as below);
 - `source_own_slots`: the route's own top-512, from the 512 best blocks' 4,096 slots.
 
-The scores are ReLU-like (a third of them exactly 0, a tenth −inf), so ties are as common as
-in the model. Every entry also records whether its picks equal the sort's on the data it was
-timed on. Returns a plain JSON-able dict; errors are recorded, not raised.
+The scores are ReLU-like by default (a third of them exactly 0, a tenth −inf), so ties are as
+common as in the model; `--scores distinct` draws them as a full pool's weighted sums are
+(distinct, all visible). Every entry also records whether its picks equal the sort's on the
+data it was timed on. Returns a plain JSON-able dict; errors are recorded, not raised.
 """
 
 from __future__ import annotations
@@ -48,10 +49,20 @@ SHAPES = {
 """name: (scores per query, k) at 1 M tokens, pool 2,048 blocks of 8, index_topk 512."""
 
 
-def random_scores(key, batch: int, n: int):
-    """ReLU-like scores: normal, a third exactly 0 (ties), a tenth −inf (invisible)."""
+SCORES = ("relu", "distinct")
+"""The kinds of random scores (`random_scores`)."""
+
+
+def random_scores(key, batch: int, n: int, kind: str = "relu"):
+    """'relu': ReLU-like scores: normal, a third exactly 0 (ties), a tenth −inf (invisible).
+    'distinct': normal only, as the pooled-scoring kernel's weighted sums over a full pool are
+    (no ties, nothing invisible: the radix select's longest digit searches)."""
+    if kind not in SCORES:
+        raise ValueError(f"kind: expected one of {SCORES}, got {kind!r}")
     k_x, k_zero, k_inf = jax.random.split(key, 3)
     x = jax.random.normal(k_x, (batch, n), jnp.float32)
+    if kind == "distinct":
+        return (x,)
     x = jnp.where(jax.random.uniform(k_zero, (batch, n)) < 1 / 3, 0.0, x)
     return (jnp.where(jax.random.uniform(k_inf, (batch, n)) < 0.1, -jnp.inf, x),)
 
@@ -66,6 +77,7 @@ def run(
     implementation: str = "pallas",
     kernel_warps: tuple[int, ...] = (),
     kernel_segments: tuple[int, ...] = (),
+    scores: str = "relu",
 ) -> dict:
     """Times the sort, the selection through the best blocks, the radix select and the
     radix-select kernel (each of `digit_bits` they take) at each of `shapes`.
@@ -84,12 +96,14 @@ def run(
         `kernel_{bits}bit_{warps}w`): a tuning of `kernel_triton.default_warps`.
       kernel_segments: also time the kernel alone with each row split over this many programs
         (`kernel_triton.select(segments=...)`, entries `kernel_{bits}bit_{segments}seg`).
+      scores: the kind of random scores (`random_scores`).
     """
     out = {
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "batch": batch,
+        "scores": scores,
         "shapes": {},
     }
     for name, (n, k) in shapes.items():
@@ -97,7 +111,8 @@ def run(
         out["shapes"][name] = entry
         try:
             datasets = [
-                random_scores(jax.random.key(31 * n + i), batch, n) for i in range(n_datasets)
+                random_scores(jax.random.key(31 * n + i), batch, n, scores)
+                for i in range(n_datasets)
             ]
             jax.block_until_ready(datasets)
         except Exception as e:  # recorded in the JSON
@@ -176,6 +191,7 @@ def main() -> None:
         default=[],
         help="also time the kernel alone with each row split over this many programs",
     )
+    parser.add_argument("--scores", choices=SCORES, default="relu", help="random_scores' kind")
     args = parser.parse_args()
 
     save = timing.json_writer(args.out)
@@ -189,6 +205,7 @@ def main() -> None:
         progress=save,
         kernel_warps=tuple(args.kernel_warps),
         kernel_segments=tuple(args.kernel_segments),
+        scores=args.scores,
     )
     save(result)
     print(json.dumps(result, indent=1))
