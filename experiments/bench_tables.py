@@ -7,6 +7,7 @@ and `train_throughput.py`, so the document's numbers are the JSON's, never retyp
     python3 experiments/bench_tables.py --groups experiments/results/train_throughput_group_*.json
     python3 experiments/bench_tables.py --decode experiments/results/bench_decode_h200_*.json
     python3 experiments/bench_tables.py --topk experiments/results/bench_topk_h200_*.json
+    python3 experiments/bench_tables.py --targets SCAN.json POOLED.json ATTENTION.json DECODE.json
 """
 
 from __future__ import annotations
@@ -406,6 +407,104 @@ def source_scan_tune(report: dict, path: Path) -> str:
     return "\n".join(lines)
 
 
+def _report_kind(report: dict) -> str | None:
+    """Which benchmark wrote `report`: 'attention', 'decode', 'source_scan', 'pooled' or None."""
+    if "results" in report and "speedups" in report:
+        return "attention"
+    first = next(iter(report.get("contexts", {}).values()), {})
+    if "counts" in first:
+        return "decode"
+    if "pallas_route" in first:
+        return "source_scan"
+    if "pallas_topk" in first:
+        return "pooled"
+    return None
+
+
+# Issue 16's targets: (report kind, target, the figure's reader, its bound, at most or at least).
+_MILLION = "1048576"
+
+
+def _scan_speedup(r):
+    c = r["contexts"].get(_MILLION, {})
+    s = c.get("speedup_route_vs_xla_scan")
+    if s is None:
+        return None, "—"
+    return s, f"{s:.1f}× (route {_ms(c, 'pallas_route')} against {_ms(c, 'xla_scan')})"
+
+
+def _kernel_share(key, label):
+    def read(r):
+        t = r["contexts"].get(_MILLION, {}).get(key, {})
+        if "kernel_fraction_of_copy" not in t:
+            return None, "—"
+        share, ms = t["kernel_fraction_of_copy"], t["mosaic_kernel_ms"]
+        time = f"{ms:.3f} ms" if ms >= 1 else f"{ms * 1000:.1f} µs"
+        return share, f"{share:.0%} ({label} {time})"
+
+    return read
+
+
+def _pooled_topk(r):
+    t = r["contexts"].get(_MILLION, {}).get("pallas_topk", {})
+    if "median_ms" not in t:
+        return None, "—"
+    return t["median_ms"] * 1000, f"{t['median_ms'] * 1000:.1f} µs"
+
+
+def _attention(batch):
+    def read(r):
+        for e in r["results"]:
+            if e["batch"] == batch and e["implementation"] == "pallas_mgpu" and "tflops" in e:
+                return e["tflops"], f"{e['tflops']:.1f} TFLOP/s ({e['time_us']:.1f} µs)"
+        return None, "—"
+
+    return read
+
+
+def _indexer_stack(r):
+    e = r["contexts"].get(_MILLION, {}).get("pallas", {})
+    ratio = e.get("indexer_stack_over_source_scan")
+    if ratio is None:
+        return None, "—"
+    return ratio, f"{ratio:.2f}× (batch {r['contexts'][_MILLION]['batch']})"
+
+
+TARGETS = (
+    ("source_scan", "source scan ≥ 30× the XLA full scan at 1 M × 64", _scan_speedup, 30, 1),
+    ("source_scan", "source-scan kernel ≥ 60 % of copy at 1 M × 64",
+     _kernel_share("pallas_block_max", "block maxima"), 0.6, 1),
+    ("pooled", "pooled scoring with its top-k ≤ 90 µs at 1 M × 64", _pooled_topk, 90, -1),
+    ("pooled", "pooled-scoring kernel alone ≥ 50 % of copy at 1 M × 64",
+     _kernel_share("pallas_scores", "kernel"), 0.5, 1),
+    ("attention", "FP4 sparse attention ≥ 250 TFLOP/s at batch 64", _attention(64), 250, 1),
+    ("attention", "FP4 sparse attention ≥ 300 TFLOP/s at batch 128", _attention(128), 300, 1),
+    ("decode", "decoder indexer stack ≤ 1.3× the source scan at 1 M", _indexer_stack, 1.3, -1),
+)  # fmt: skip
+"""Issue 16's targets, each read from the benchmark report of its kind."""
+
+
+def targets(reports: list[dict], paths: list[Path]) -> str:
+    """Issue 16's targets as measured in the given reports (each target from the last report
+    of its benchmark), whether each is met, and the file its figure comes from."""
+    latest = {}
+    for report, path in zip(reports, paths, strict=True):
+        kind = _report_kind(report)
+        if kind is None:
+            raise ValueError(f"paths: {path} is not a source-scan, pooled, attention or decode run")
+        latest[kind] = (report, path)
+    lines = ["| target (issue 16) | measured | met | from |", "|---|---|---|---|"]
+    for kind, target, read, bound, sign in TARGETS:
+        if kind not in latest:
+            lines.append(f"| {target} | no {kind} report given | — | — |")
+            continue
+        report, path = latest[kind]
+        value, text = read(report)
+        met = "—" if value is None else ("yes" if sign * (value - bound) >= 0 else "no")
+        lines.append(f"| {target} | {text} | {met} | `{path.name}` |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path)
@@ -442,9 +541,16 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the paths are sparse_attention.bench runs (with each call's longest kernel)",
     )
+    parser.add_argument(
+        "--targets",
+        action="store_true",
+        help="issue 16's targets from source-scan, pooled, attention and decode runs",
+    )
     args = parser.parse_args(argv)
     reports = [json.loads(p.read_text()) for p in args.paths]
-    if args.tune:
+    if args.targets:
+        print(targets(reports, args.paths))
+    elif args.tune:
         for path, report in zip(args.paths, reports, strict=True):
             print(source_scan_tune(report, path) + "\n")
     elif args.attention:

@@ -940,3 +940,43 @@ def test_bench_kernels_resumes_a_report_part_by_part(monkeypatch, tmp_path, caps
     with pytest.raises(SystemExit):
         bench_kernels.main(["--out", str(tmp_path / "none.json"), "--parts", "copy", "--resume"])
     assert "--resume: no report at --out" in capsys.readouterr().err
+
+
+def test_the_targets_table_reads_each_target_from_its_report_and_says_whether_it_is_met(tmp_path):
+    """`bench_tables --targets`: each of issue 16's targets from the last report of its kind,
+    met or not against its bound in the right direction (a speed-up at least, a time at
+    most), a kind not given named as missing, a report of no known kind refused by name."""
+    from experiments import bench_tables
+
+    def timing(ms, share=None):
+        out = {"median_ms": ms, "mosaic_kernel_ms": ms}
+        return out | ({"kernel_fraction_of_copy": share} if share is not None else {})
+
+    million = "1048576"
+    scan = {"contexts": {million: {
+        "pallas_route": timing(2.4), "xla_scan": timing(72.0),
+        "speedup_route_vs_xla_scan": 30.0, "pallas_block_max": timing(2.2, 0.61),
+    }}}  # fmt: skip
+    slower = {
+        "contexts": {million: scan["contexts"][million] | {"speedup_route_vs_xla_scan": 29.9}}
+    }
+    pooled = {
+        "contexts": {million: {"pallas_topk": timing(0.0901), "pallas_scores": timing(0.05, 0.5)}}
+    }
+    decode = {
+        "contexts": {
+            million: {"counts": {}, "batch": 32, "pallas": {"indexer_stack_over_source_scan": 1.3}}
+        }
+    }
+    paths = [tmp_path / f"{name}.json" for name in ("scan", "slower", "pooled", "decode")]
+    table = bench_tables.targets([scan, slower, pooled, decode], paths)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
+    assert len(rows) == len(bench_tables.TARGETS), table
+    assert "| 29.9× (route 2.400 ms against 72.000 ms) | no | `slower.json` |" in table, table
+    assert "| 61% (block maxima 2.200 ms) | yes | `slower.json` |" in table, table
+    assert "| 90.1 µs | no | `pooled.json` |" in table, table
+    assert "| 50% (kernel 50.0 µs) | yes | `pooled.json` |" in table, table
+    assert "| 1.30× (batch 32) | yes | `decode.json` |" in table, table
+    assert table.count("| no attention report given | — | — |") == 2, table
+    with pytest.raises(ValueError, match=r"paths: .*other\.json is not a source-scan"):
+        bench_tables.targets([{"contexts": {}}], [tmp_path / "other.json"])

@@ -62,13 +62,15 @@ def test_a_kernel_its_backend_cannot_express_fails_here():
 
 @pytest.mark.parametrize("digit_bits", kernel_triton.DIGIT_BITS)
 def test_the_radix_select_kernel_lowers(digit_bits):
-    """At a padded row, the pool's 16,384 slots and the longest row a program holds."""
+    """At a padded row, the pool's 16,384 slots and the longest row a program holds: one call
+    of the kernel, or two where the row is split by default (`default_segments`)."""
     for n, k in ((203, 67), (16_384, 512), (kernel_triton.MAX_N, 2048)):
+        calls = 1 + (kernel_triton.default_segments(pl.next_power_of_2(n), k) > 1)
         for tie_order in TIE_ORDERS:
             select = functools.partial(
                 kernel_triton.select, k=k, tie_order=tie_order, digit_bits=digit_bits
             )
-            lowers_to(select, spec((4, n), f32), triton=1)
+            lowers_to(select, spec((4, n), f32), triton=calls)
 
 
 def test_the_radix_select_kernel_over_segments_lowers():
@@ -90,7 +92,7 @@ def test_the_kernel_top_k_lowers_beyond_one_program():
 def test_pooled_scoring_lowers():
     """The Mosaic GPU scoring kernel at the GPU tests' pool (2,048 blocks, 32 heads), then its
     top-512 by `topk.api`'s default method under 'pallas', the radix-select Triton kernel (over
-    the pool's 16,384 scores: one call)."""
+    the pool's 16,384 scores: two calls, the row split in two by `default_segments`)."""
     batch, n_pos, heads, dim, n_blocks = 2, 65_536, 32, 128, 2048
     score = functools.partial(pooled_scores, implementation="pallas", topk=512)
     args = (
@@ -100,7 +102,7 @@ def test_pooled_scoring_lowers():
         spec((batch, n_blocks), i32),
         spec((batch,), i32),
     )
-    lowers_to(score, *args, mosaic_gpu=1, triton=1)
+    lowers_to(score, *args, mosaic_gpu=1, triton=2)
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,12 @@ from pallas_kernels.topk import api as topk_api
 from v41jax.ops import pool
 from v41jax.ops.scoring import TopK
 
+# The kernel's tuning for a pool by default. At 1 M keys × batch 64 and a pool of 2,048 blocks
+# on the H200, 16 tiles × 2 stages per CTA took 53.4 µs against 55.5 for the kernel's own
+# default (32 × 4); 8 × 2 tied (53.3), 24 × 4 and 12 × 4 were slower
+# (`bench --sweep`, results/bench_pooled_scoring_h200_2026-12-04_sweep.json).
+POOL_CONFIG = kernel_mgpu.TuningConfig(tiles_per_cta=16, num_stages=2)
+
 
 def supports(
     implementation: str,
@@ -166,7 +172,7 @@ def pooled_scores(
       fmt: packed format of `k_packed`.
       implementation: 'xla' | 'pallas' | 'pallas_interpret' (`pallas_kernels.dispatch`).
       topk: None for the scores; an int k for the k best positions.
-      config: tuning of the kernel (default `kernel_mgpu.TuningConfig()`).
+      config: tuning of the kernel (default `POOL_CONFIG`).
       score_dtype: 'float32' | 'bfloat16' (`ops.scoring.index_scores`; the kernel: float32).
       tie_order: 'oldest' | 'newest': which of equal scores the top-k keeps.
       neginf_picks: 'drop' | 'keep': with 'keep' the top-k is completed with visible positions
@@ -183,9 +189,7 @@ def pooled_scores(
     dispatch.check_implementation(implementation)
     k_packed, q, weights = jnp.asarray(k_packed), jnp.asarray(q), jnp.asarray(weights)
     block_ids, lengths = jnp.asarray(block_ids), jnp.asarray(lengths)
-    options = _Options(
-        implementation, block_size, fmt, score_dtype, config or kernel_mgpu.TuningConfig()
-    )
+    options = _Options(implementation, block_size, fmt, score_dtype, config or POOL_CONFIG)
     scores = _pooled_scores(k_packed, q, weights, block_ids, lengths, options)
     if topk is None:
         return scores

@@ -68,7 +68,7 @@ def run(
     dim: int = 128,
     iterations: int = 10,
     n_datasets: int = 3,
-    configs: tuple[kernel_mgpu.TuningConfig, ...] = (kernel_mgpu.TuningConfig(),),
+    configs: tuple[kernel_mgpu.TuningConfig, ...] = (api.POOL_CONFIG,),
     full_scan_max_context: int = 1048576,
     copy_gbps: float | None = None,
     progress: Callable[[dict], None] | None = None,
@@ -219,7 +219,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     sweep = [kernel_mgpu.TuningConfig(*map(int, c.split(","))) for c in args.sweep]
-    configs = (kernel_mgpu.TuningConfig(), *sweep)
+    configs = (api.POOL_CONFIG, *sweep)
 
     save = timing.json_writer(args.out)
 

@@ -133,7 +133,10 @@ def run(
         ]
         interpret = implementation == "pallas_interpret"
         methods += [
-            (f"kernel_{bits}bit_{warps}w", {"digit_bits": bits, "num_warps": warps})
+            (
+                f"kernel_{bits}bit_{warps}w",
+                {"digit_bits": bits, "num_warps": warps, "segments": 1},  # one program per row
+            )
             for bits in digit_bits
             for warps in kernel_warps
             if kernel_triton.supports(n, k, digit_bits=bits, num_warps=warps)

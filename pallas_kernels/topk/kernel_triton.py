@@ -104,6 +104,16 @@ def default_warps(n_pad: int) -> int:
     return int(min(32, max(4, n_pad // 1024)))
 
 
+def default_segments(n_pad: int, k: int) -> int:
+    """Programs per row by default (`select(segments=None)`): 2 for rows of at least 16,384
+    (padded) scores whose k is at most a 32nd of them, else 1. Measured on the H200 at batch 64
+    with 1-bit passes (results/bench_topk_h200_2026-12-04_segments*.json): a pool's 16,384
+    slots → 512 in 0.026 ms over 2 programs against 0.028 in one, on ReLU-like and on distinct
+    scores alike; 16,384 → 2,048 (0.035 against 0.030) and 4,096 → 512 (0.017 against 0.013)
+    are slower split, the second pass then costing more than the first saves."""
+    return 2 if n_pad >= 16_384 and 32 * k <= n_pad else 1
+
+
 def _search(values, eligible, need, count, n_bits: int, digit_bits: int, flip):
     """The largest t < 2^n_bits (unsigned) with #{eligible values ≥ t} ≥ need, where a value v
     compares as `v ≥ t ^ flip` (flip = the top bit for the keys, so the unsigned search runs on
@@ -187,7 +197,7 @@ def select(
     digit_bits: int = 2,
     interpret: bool = False,
     num_warps: int | None = None,
-    segments: int = 1,
+    segments: int | None = None,
 ) -> TopK:
     """`scoring.topk(scores, k, tie_order=tie_order)` (no mask, −inf picks dropped) bit for
     bit, one program per row (module docstring) of `num_warps` warps (None: `default_warps`);
@@ -198,11 +208,13 @@ def select(
     `segments` > 1 splits each row (padded to a power of two) into that many contiguous parts,
     one program each, then selects among the parts' picks with one more program per row
     (`_segmented`): the same picks, from `segments` times the programs, for batches too small
-    to fill the GPU's SMs with one program per row.
+    to fill the GPU's SMs with one program per row. None: `default_segments`.
 
     Returns `TopK(indices [..., k] ascending then −1, scores [..., k] float32, −inf at −1)`.
     """
     *batch, n = scores.shape
+    if segments is None:
+        segments = default_segments(pl.next_power_of_2(n), k) if 1 <= k <= n else 1
     supported = supports(
         n, k, tie_order=tie_order, digit_bits=digit_bits, num_warps=num_warps, segments=segments
     )
