@@ -7,7 +7,7 @@
 #                                   # checks, ~9 minutes) | route_check | decode_tests |
 #                                   # scan_check (issue 16's open checks, a call each) |
 #                                   # early_exit_tests | early_exit_bench (the fifth session's)
-#                                   # segments | segments_tune (the sixth's)
+#                                   # segments | segments_tune | two_loops (the sixth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -162,6 +162,21 @@ if [[ $stage == segments_tune ]]; then
     --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
   timeout -s INT 240 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
     --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
+fi
+if [[ $stage == two_loops ]]; then
+  # Call 3: the every-block kernel with its live tiles in one loop and the rest in another,
+  # compiled against the definitions (GPU tests of the source scan, pooled scoring and the
+  # top-k: the new defaults, POOL_CONFIG and the pool's row over two programs), then the
+  # source-scan route at 1 M (full length and ragged), pooled scoring with its top-k at 1 M,
+  # the top-k at its default. Guards total 580 s.
+  timeout -s INT 200 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_source_scan.py \
+    tests/test_pooled_scoring.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -10 || status=1
+  timeout -s INT 100 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_topk_select.py \
+    2>&1 | tee "$OUT/gpu_tests_topk.log" | tail -8 || status=1
+  timeout -s INT 170 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
+    --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
+  timeout -s INT 110 "$PY" -m pallas_kernels.pooled_scoring.bench --contexts 1048576 \
+    --datasets 2 --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

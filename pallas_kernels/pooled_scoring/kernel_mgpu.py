@@ -542,24 +542,34 @@ def _kernel(
             visible = visible & (scores == scores)
         emit(tile, jnp.where(visible, scores, -jnp.inf))
 
-    @pl.loop(0, n_tiles)
-    def _tile(tile):
+    def arrived(tile):
+        """Waits for the tile's copies; returns its stage."""
         slot = lax.rem(tile, num_stages)
         if ablation == "no_fetch":  # only the prologue's copies arrive
             pl.when(tile < num_stages)(lambda: plgpu.barrier_wait(k_barriers.at[slot]))
         else:
             plgpu.barrier_wait(k_barriers.at[slot])
-        if ids_hbm is not None:
-            score_tile(tile, slot)
-            return
-        # Every block: a tile past the row's length (no row fetched, every score −inf) is not
-        # decoded or multiplied, so a short row of a batch costs its own length, not the
-        # cache's.
-        live = first_block(tile) * BLOCK_SIZE < limit
-        pl.when(live)(lambda: score_tile(tile, slot))
+        return slot
 
-        @pl.when(~live)
-        def _past_the_row():
+    # Every block: the tiles past the row's length (no row fetched, every score −inf) are not
+    # decoded or multiplied, so a short row of a batch costs its own length, not the cache's.
+    # The CTA's live tiles come first (tile t is live while its first position is < limit):
+    # one loop over them, then one over the rest, so the hot loop holds no branch (a branch
+    # per tile cost a full-length batch 2.5 % on the H200, BENCHMARKS.md 2026-12-04).
+    if ids_hbm is None:
+        n_live = jnp.clip(lax.div(limit + TILE_ROWS - 1, TILE_ROWS) - split * n_tiles, 0, n_tiles)
+    else:
+        n_live = n_tiles
+
+    @pl.loop(0, n_live)
+    def _tile(tile):
+        score_tile(tile, arrived(tile))
+
+    if ids_hbm is None:
+
+        @pl.loop(n_live, n_tiles)
+        def _past_the_row(tile):
+            slot = arrived(tile)
             refill(tile, slot)
             emit(tile, jnp.where(row >= 0, -jnp.inf, 0.0))  # −inf in the rows' layout
 
