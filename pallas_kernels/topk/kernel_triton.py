@@ -23,11 +23,12 @@ What a program does, for its row (the same steps as `radix`, whose docstring arg
    (BENCHMARKS.md, 2026-12-04).
 3. Compact by a stable partition of the row: a pick's output slot is the number of picks
    before it (an exclusive cumulative sum), every other position goes after the picks in
-   position order as −1 and −inf. Each of the n_pad slots is written by exactly one lane, so
-   the scatter needs no mask and no ordering (a masked scatter with the masked lanes on one
-   slot is a race in the Pallas interpreter); the caller keeps the first k. It writes the
-   row (8 bytes per score) where k slots would do: 8 MB at 16,384 scores × 64 rows, a few µs
-   of bandwidth.
+   position order as −1 and −inf. The partition is a permutation of the n_pad slots, so each
+   of the k_pad (k to a power of two) slots that leave is written by exactly one lane, and
+   each lane masked off (slot ≥ k_pad) has a slot of its own: no ordering between lanes
+   matters (the Pallas interpreter reports a masked scatter whose masked lanes share a slot
+   as a race). The caller keeps the first k. Until 2026-12-04 (sixth session) the kernel
+   wrote all n_pad slots, and XLA then copied the first k out (1.5 µs at 16,384 × 64).
 
 `supports` says what it takes; `pallas_kernels.topk.api` (method 'kernel') calls it for rows of
 at most `MAX_N` scores, and through `blocks.topk` (its leaves) for longer ones.
@@ -181,8 +182,11 @@ def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_b
     before = jnp.cumsum(ones) - ones  # picks before each position
     total = jnp.sum(ones)
     slot = jnp.where(picked, before, total + position - before)
-    plt.store(indices_ref.at[slot], jnp.where(picked, position, -1))
-    plt.store(values_ref.at[slot], jnp.where(picked, x, -jnp.inf))
+    # Only the first k_pad slots leave (the picks, then −1 up to k_pad): a lane whose slot lies
+    # past them is masked, each such lane at its own slot.
+    kept = slot < indices_ref.shape[0]
+    plt.store(indices_ref.at[slot], jnp.where(picked, position, -1), mask=kept)
+    plt.store(values_ref.at[slot], jnp.where(picked, x, -jnp.inf), mask=kept)
 
 
 @functools.partial(
@@ -267,15 +271,16 @@ def _select(flat, k: int, tie_order: str, digit_bits: int, interpret: bool, warp
     kernel = functools.partial(
         _kernel, k=k, n_pad=n_pad, tie_order=tie_order, digit_bits=digit_bits
     )
+    k_pad = pl.next_power_of_2(k)  # Triton's blocks are powers of two
     row = lambda i: (i, 0)
     indices, values = pl.pallas_call(
         kernel,
         grid=(rows,),
         in_specs=[pl.BlockSpec((None, n_pad), row)],
-        out_specs=[pl.BlockSpec((None, n_pad), row), pl.BlockSpec((None, n_pad), row)],
+        out_specs=[pl.BlockSpec((None, k_pad), row), pl.BlockSpec((None, k_pad), row)],
         out_shape=[
-            jax.ShapeDtypeStruct((rows, n_pad), jnp.int32),
-            jax.ShapeDtypeStruct((rows, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((rows, k_pad), jnp.int32),
+            jax.ShapeDtypeStruct((rows, k_pad), jnp.float32),
         ],
         compiler_params=plt.CompilerParams(num_warps=warps or default_warps(n_pad), num_stages=1),
         interpret=interpret,
