@@ -165,6 +165,7 @@ if [[ $stage == segments_tune ]]; then
 fi
 if [[ $stage == two_loops ]]; then
   # Call 3: the every-block kernel with its live tiles in one loop and the rest in another,
+  # the scores kernel storing a CTA's scores once, the top-k kernel writing k slots only,
   # compiled against the definitions (GPU tests of the source scan, pooled scoring and the
   # top-k: the new defaults, POOL_CONFIG and the pool's row over two programs), then the
   # source-scan route at 1 M (full length and ragged), pooled scoring with its top-k at 1 M,

@@ -472,15 +472,10 @@ def _kernel(
                 fetch(tile + num_stages, slot)
 
     def emit(tile, scores):
-        """The tile's 64 masked scores: kept in shared memory (block maxima) or stored."""
-        if block_max:
-            out_smem[tile] = scores  # reduced by block after the last tile (below)
-            return
-        out_slot = lax.rem(tile, 2)
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from two tiles ago
-        out_smem[out_slot] = scores
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[out_slot], out_hbm.at[b, split, tile])
+        """The tile's 64 masked scores, kept in shared memory: stored (or reduced by block,
+        then stored) after the CTA's last tile, in one copy. A copy per tile cost a wait, a
+        proxy fence and a copy issue in every tile's path."""
+        out_smem[tile] = scores
 
     def score_tile(tile, slot):
         """Reads the tile's rows from `slot`, refills the slot, scores the rows and emits."""
@@ -589,6 +584,9 @@ def _kernel(
         blocks_smem[...] = jnp.max(by_block, axis=1)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(blocks_smem, out_hbm.at[b, split])
+    else:  # the CTA's scores, one copy
+        plgpu.commit_smem()  # the tiles' stores, by every thread, before the copy reads them
+        plgpu.copy_smem_to_gmem(out_smem, out_hbm.at[b, split])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -776,9 +774,9 @@ def _pooled(
             plgpu.SMEM((tiles_per_cta, TILE_ROWS), jnp.float32),
             plgpu.SMEM((tiles_per_cta * TILE_BLOCKS,), jnp.float32),
         ]
-    else:  # a tile's scores, double-buffered for its store
+    else:  # every tile's scores, stored once
         out_type = (batch, n_splits, tiles_per_cta, TILE_ROWS)
-        staging = [plgpu.SMEM((2, TILE_ROWS), jnp.float32)]
+        staging = [plgpu.SMEM((tiles_per_cta, TILE_ROWS), jnp.float32)]
     ids_scratch = [] if every_block else [plgpu.SMEM((tiles_per_cta, TILE_BLOCKS), jnp.int32)]
     kernel = plgpu.kernel(
         functools.partial(
