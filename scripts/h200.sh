@@ -7,7 +7,8 @@
 #                                   # checks, ~9 minutes) | route_check | decode_tests |
 #                                   # scan_check (issue 16's open checks, a call each) |
 #                                   # early_exit_tests | early_exit_bench (the fifth session's)
-#                                   # segments | segments_tune | two_loops (the sixth's)
+#                                   # segments | segments_tune | two_loops | row_output
+#                                   # (the sixth session's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -178,6 +179,17 @@ if [[ $stage == two_loops ]]; then
     --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
   timeout -s INT 110 "$PY" -m pallas_kernels.pooled_scoring.bench --contexts 1048576 \
     --datasets 2 --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
+fi
+if [[ $stage == row_output ]]; then
+  # Call 4: the pooled-scoring GPU test call 3's guard cut, and the top-k kernel writing k
+  # slots against every slot of its rows, split or not, at the decode step's three leaf
+  # shapes (the route's leaves ran slower in call 3). Guards total 230 s.
+  timeout -s INT 110 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_pooled_scoring.py \
+    -k empty_pools 2>&1 | tee "$OUT/gpu_tests_pooled.log" | tail -6 || status=1
+  timeout -s INT 120 "$PY" -m pallas_kernels.topk.bench --iterations 10 --datasets 2 \
+    --digit-bits 1 --kernel-segments 1 2 --kernel-row-output \
+    --shapes pool_slots source_block_leaves source_own_slots \
+    --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

@@ -830,13 +830,16 @@ def test_the_topk_benchmark_times_the_kernel_at_each_warp_count(monkeypatch):
         kernel_warps=(2, 4),
         kernel_segments=(2, 3),  # 3 is not a split the kernel takes: no entry
         scores="distinct",
+        kernel_row_output=True,
     )
     entry = report["shapes"]["pool"]
-    for label in ("kernel_1bit", "kernel_1bit_2w", "kernel_1bit_4w", "kernel_1bit_2seg"):
+    labels = ("kernel_1bit_2w", "kernel_1bit_4w", "kernel_1bit_2seg", "kernel_1bit_2seg_rows")
+    for label in ("kernel_1bit", *labels):
         assert entry[label]["equal_to_sort"], (label, entry[label])
     assert "kernel_1bit_3seg" not in entry
     table = bench_tables.topk(report)
-    assert "| kernel_1bit | kernel_1bit_2seg | kernel_1bit_2w | kernel_1bit_4w |" in table, table
+    header = "| kernel_1bit | kernel_1bit_2seg | kernel_1bit_2seg_rows | kernel_1bit_2w | "
+    assert header in table, table
     assert "(batch 2; distinct normal scores, as a full pool's):" in table, table
 
 

@@ -78,6 +78,7 @@ def run(
     kernel_warps: tuple[int, ...] = (),
     kernel_segments: tuple[int, ...] = (),
     scores: str = "relu",
+    kernel_row_output: bool = False,
 ) -> dict:
     """Times the sort, the selection through the best blocks, the radix select and the
     radix-select kernel (each of `digit_bits` they take) at each of `shapes`.
@@ -97,6 +98,9 @@ def run(
       kernel_segments: also time the kernel alone with each row split over this many programs
         (`kernel_triton.select(segments=...)`, entries `kernel_{bits}bit_{segments}seg`).
       scores: the kind of random scores (`random_scores`).
+      kernel_row_output: beside each `kernel_segments` entry, the same with every slot of the
+        programs' partitions written (`select(_row_output=True)`, entries `..._rows`): what
+        writing only the first k slots gains or costs.
     """
     out = {
         "device": jax.devices()[0].device_kind,
@@ -142,9 +146,14 @@ def run(
             if kernel_triton.supports(n, k, digit_bits=bits, num_warps=warps)
         ]
         methods += [
-            (f"kernel_{bits}bit_{segments}seg", {"digit_bits": bits, "segments": segments})
+            (
+                f"kernel_{bits}bit_{segments}seg" + "_rows" * rows,
+                {"digit_bits": bits, "segments": segments}
+                | ({"_row_output": True} if rows else {}),
+            )
             for bits in digit_bits
             for segments in kernel_segments
+            for rows in (False, True)[: 1 + kernel_row_output]
             if kernel_triton.supports(n, k, digit_bits=bits, segments=segments)
         ]
         for label, method in methods:
@@ -195,6 +204,11 @@ def main() -> None:
         help="also time the kernel alone with each row split over this many programs",
     )
     parser.add_argument("--scores", choices=SCORES, default="relu", help="random_scores' kind")
+    parser.add_argument(
+        "--kernel-row-output",
+        action="store_true",
+        help="beside each --kernel-segments entry, the kernel writing every slot (_rows)",
+    )
     args = parser.parse_args()
 
     save = timing.json_writer(args.out)
@@ -209,6 +223,7 @@ def main() -> None:
         kernel_warps=tuple(args.kernel_warps),
         kernel_segments=tuple(args.kernel_segments),
         scores=args.scores,
+        kernel_row_output=args.kernel_row_output,
     )
     save(result)
     print(json.dumps(result, indent=1))

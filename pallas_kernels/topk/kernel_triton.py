@@ -154,7 +154,7 @@ def _search(values, eligible, need, count, n_bits: int, digit_bits: int, flip):
     return t, count
 
 
-def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_bits):
+def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_bits, row_output):
     x = scoring.ranking_scores(scores_ref[...])
     bits = lax.bitcast_convert_type(x, jnp.int32)
     keys = jnp.where(bits < 0, bits ^ np.int32(0x7FFFFFFF), bits)
@@ -183,16 +183,18 @@ def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_b
     total = jnp.sum(ones)
     slot = jnp.where(picked, before, total + position - before)
     # Only the first k_pad slots leave (the picks, then −1 up to k_pad): a lane whose slot lies
-    # past them is masked, each such lane at its own slot.
-    kept = slot < indices_ref.shape[0]
+    # past them is masked, each such lane at its own slot. (`row_output`: every slot leaves.)
+    kept = None if row_output else slot < indices_ref.shape[0]
     plt.store(indices_ref.at[slot], jnp.where(picked, position, -1), mask=kept)
     plt.store(values_ref.at[slot], jnp.where(picked, x, -jnp.inf), mask=kept)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("k", "tie_order", "digit_bits", "interpret", "num_warps", "segments"),
-)
+    static_argnames=(
+        "k", "tie_order", "digit_bits", "interpret", "num_warps", "segments", "_row_output"
+    ),
+)  # fmt: skip
 def select(
     scores: Float[Array, "*batch n"],
     k: int,
@@ -202,6 +204,7 @@ def select(
     interpret: bool = False,
     num_warps: int | None = None,
     segments: int | None = None,
+    _row_output: bool = False,
 ) -> TopK:
     """`scoring.topk(scores, k, tie_order=tie_order)` (no mask, −inf picks dropped) bit for
     bit, one program per row (module docstring) of `num_warps` warps (None: `default_warps`);
@@ -213,6 +216,9 @@ def select(
     one program each, then selects among the parts' picks with one more program per row
     (`_segmented`): the same picks, from `segments` times the programs, for batches too small
     to fill the GPU's SMs with one program per row. None: `default_segments`.
+
+    `_row_output` (a measurement aid, same picks): the programs write every slot of their
+    partition, as before 2026-12-04 (sixth session), and XLA copies the first k out.
 
     Returns `TopK(indices [..., k] ascending then −1, scores [..., k] float32, −inf at −1)`.
     """
@@ -228,14 +234,15 @@ def select(
     if rows == 0:  # no program to run (a grid of 0 is not a call)
         return TopK(jnp.zeros((*batch, k), jnp.int32), jnp.zeros((*batch, k), jnp.float32))
     flat = scores.astype(jnp.float32).reshape(rows, n)
+    program = (num_warps, _row_output)
     if segments > 1:
-        indices, values = _segmented(flat, k, tie_order, digit_bits, interpret, num_warps, segments)
+        indices, values = _segmented(flat, k, tie_order, digit_bits, interpret, program, segments)
     else:
-        indices, values = _select(flat, k, tie_order, digit_bits, interpret, num_warps)
+        indices, values = _select(flat, k, tie_order, digit_bits, interpret, program)
     return TopK(indices.reshape(*batch, k), values.reshape(*batch, k))
 
 
-def _segmented(flat, k: int, tie_order, digit_bits, interpret, warps, segments: int):
+def _segmented(flat, k: int, tie_order, digit_bits, interpret, program, segments: int):
     """`select` over rows [rows, n] split into `segments` parts: each part's best min(k, part)
     by one program, then the best k of those candidates by another. Exact: the k best of a row
     under the selection's total order (score, then position by `tie_order`) are among the k
@@ -249,29 +256,34 @@ def _segmented(flat, k: int, tie_order, digit_bits, interpret, warps, segments: 
     part = n_pad // segments
     k_part = min(k, part)
     indices, values = _select(
-        flat.reshape(rows * segments, part), k_part, tie_order, digit_bits, interpret, warps
+        flat.reshape(rows * segments, part), k_part, tie_order, digit_bits, interpret, program
     )
     indices = indices.reshape(rows, segments, k_part)
     offsets = (part * jnp.arange(segments, dtype=jnp.int32))[:, None]
     candidates = jnp.where(indices >= 0, indices + offsets, -1).reshape(rows, -1)
+    candidates_row = (None, program[1])  # default warps for the candidates' row
     picks, scores = _select(
-        values.reshape(rows, segments * k_part), k, tie_order, digit_bits, interpret, None
-    )
+        values.reshape(rows, segments * k_part), k, tie_order, digit_bits, interpret,
+        candidates_row,
+    )  # fmt: skip
     positions = jnp.take_along_axis(candidates, jnp.maximum(picks, 0), axis=-1)
     return jnp.where(picks >= 0, positions, -1), scores
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _select(flat, k: int, tie_order: str, digit_bits: int, interpret: bool, warps: int | None):
-    """The kernel over rows [rows, n]: (indices [rows, k], scores [rows, k])."""
+def _select(flat, k: int, tie_order: str, digit_bits: int, interpret: bool, program: tuple):
+    """The kernel over rows [rows, n]: (indices [rows, k], scores [rows, k]). `program`:
+    (warps per program or None for `default_warps`, `row_output`)."""
+    warps, row_output = program
     rows, n = flat.shape
     n_pad = pl.next_power_of_2(n)
     if n_pad != n:
         flat = jnp.pad(flat, ((0, 0), (0, n_pad - n)), constant_values=-jnp.inf)
     kernel = functools.partial(
-        _kernel, k=k, n_pad=n_pad, tie_order=tie_order, digit_bits=digit_bits
-    )
-    k_pad = pl.next_power_of_2(k)  # Triton's blocks are powers of two
+        _kernel, k=k, n_pad=n_pad, tie_order=tie_order, digit_bits=digit_bits,
+        row_output=row_output,
+    )  # fmt: skip
+    k_pad = n_pad if row_output else pl.next_power_of_2(k)  # Triton's blocks: powers of two
     row = lambda i: (i, 0)
     indices, values = pl.pallas_call(
         kernel,
@@ -290,11 +302,11 @@ def _select(flat, k: int, tie_order: str, digit_bits: int, interpret: bool, warp
 
 
 @_select.defjvp
-def _select_jvp(k, tie_order, digit_bits, interpret, warps, primals, tangents):
+def _select_jvp(k, tie_order, digit_bits, interpret, program, primals, tangents):
     """A pick's score moves with its position's score (the picks themselves are piecewise
     constant); −1 slots (−inf scores, no position) have a zero tangent, as in the definition."""
     (flat,), (d_flat,) = primals, tangents
-    indices, values = _select(flat, k, tie_order, digit_bits, interpret, warps)
+    indices, values = _select(flat, k, tie_order, digit_bits, interpret, program)
     picked = jnp.take_along_axis(d_flat, jnp.maximum(indices, 0), axis=-1)
     d_values = jnp.where(indices >= 0, picked, jnp.zeros_like(picked))
     d_indices = np.zeros(indices.shape, jax.dtypes.float0)
