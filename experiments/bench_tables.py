@@ -59,9 +59,36 @@ def pooled_scoring(part: dict) -> str:
         )
     contexts = part["contexts"]
     longest = max(contexts, key=int)
-    profile = sorted(contexts[longest]["pallas_topk"].get("kernels", []), key=lambda k: -k["ms"])[
-        :3
+    c = contexts[longest]
+    tunings = [
+        (name[len("pallas_scores[") : -1].replace(",", " × "), c[name])
+        for name in c
+        if name.startswith("pallas_scores[") and "mosaic_kernel_ms" in c[name]
     ]
+    if tunings:  # `bench --sweep`: the other tilings (tiles per CTA × stages)
+        first = part.get("configs", [{}])[0]
+        headline = f"{first.get('tiles_per_cta', '?')} × {first.get('num_stages', '?')}"
+        lines += [
+            "",
+            f"Tilings at {_context(int(longest))} (tiles per CTA × stages; Mosaic kernel alone): "
+            + f"{headline} (the table's) {c['pallas_scores']['mosaic_kernel_ms'] * 1000:.1f} µs, "
+            + ", ".join(f"{t} {e['mosaic_kernel_ms'] * 1000:.1f} µs" for t, e in tunings)
+            + ".",
+        ]
+    ablations = [
+        ("no_fetch", "without the copies after the prologue"),
+        ("no_decode", "without the decode"),
+    ]
+    timed = [(label, c[f"pallas_scores_{name}"]) for name, label in ablations]
+    timed = [(label, e) for label, e in timed if "mosaic_kernel_ms" in e]
+    if timed and "mosaic_kernel_ms" in c["pallas_scores"]:  # the leave-one-out variants
+        lines += [
+            "",
+            f"Leave-one-out at {_context(int(longest))} (Mosaic kernel alone): "
+            + ", ".join(f"{label} {e['mosaic_kernel_ms'] * 1000:.1f} µs" for label, e in timed)
+            + f", against {c['pallas_scores']['mosaic_kernel_ms'] * 1000:.1f} µs whole.",
+        ]
+    profile = sorted(c["pallas_topk"].get("kernels", []), key=lambda k: -k["ms"])[:3]
     if profile:
         lines += [
             "",
@@ -449,7 +476,12 @@ def _pooled_topk(r):
     t = r["contexts"].get(_MILLION, {}).get("pallas_topk", {})
     if "median_ms" not in t:
         return None, "—"
-    return t["median_ms"] * 1000, f"{t['median_ms'] * 1000:.1f} µs"
+    spread = ""
+    if "min_ms" in t and "runs" in t:  # the median's calls: how close to the bound they fall
+        spread = (
+            f" (median of {t['runs']} calls, {t['min_ms'] * 1000:.1f}–{t['max_ms'] * 1000:.1f})"
+        )
+    return t["median_ms"] * 1000, f"{t['median_ms'] * 1000:.1f} µs{spread}"
 
 
 def _attention(batch):

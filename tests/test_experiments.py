@@ -952,7 +952,7 @@ def test_the_targets_table_reads_each_target_from_its_report_and_says_whether_it
     from experiments import bench_tables
 
     def timing(ms, share=None):
-        out = {"median_ms": ms, "mosaic_kernel_ms": ms}
+        out = {"median_ms": ms, "mosaic_kernel_ms": ms, "min_ms": ms, "max_ms": ms, "runs": 1}
         return out | ({"kernel_fraction_of_copy": share} if share is not None else {})
 
     million = "1048576"
@@ -977,7 +977,7 @@ def test_the_targets_table_reads_each_target_from_its_report_and_says_whether_it
     assert len(rows) == len(bench_tables.TARGETS), table
     assert "| 29.9× (route 2.400 ms against 72.000 ms) | no | `slower.json` |" in table, table
     assert "| 61% (block maxima 2.200 ms) | yes | `slower.json` |" in table, table
-    assert "| 90.1 µs | no | `pooled.json` |" in table, table
+    assert "| 90.1 µs (median of 1 calls, 90.1–90.1) | no | `pooled.json` |" in table, table
     assert "| 50% (kernel 50.0 µs) | yes | `pooled.json` |" in table, table
     assert "| 1.30× (batch 32) | yes | `decode.json` |" in table, table
     assert table.count("| no attention report given | — | — |") == 2, table

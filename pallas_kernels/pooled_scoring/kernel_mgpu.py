@@ -127,7 +127,8 @@ class TuningConfig:
         instead of 16 (taken when the cache holds a multiple of 4 blocks); False: always block
         by block (the measured v2).
 
-    The default is the tuning the GPU tests ran with; (16, 4) measured 5 % faster (NOTES.md).
+    The default is the tuning the GPU tests ran with; pooled scoring runs `api.POOL_CONFIG`
+    (16 × 2) and the source scan `SCAN_CONFIG` (32 × 2) by default, both measured (NOTES.md).
     """
 
     tiles_per_cta: int = 32
