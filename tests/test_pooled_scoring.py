@@ -45,7 +45,9 @@ reference_scores = jax.jit(pooled_scores_definition)
 reference_topk = jax.jit(pooled_topk, static_argnums=5)
 full_scan = jax.jit(full_scan_topk, static_argnums=5)
 topk_from_scores = jax.jit(pool_topk_from_scores, static_argnums=2)
-scores_of = jax.jit(pooled_scores, static_argnames=("implementation", "topk", "config"))
+scores_of = jax.jit(
+    pooled_scores, static_argnames=("implementation", "topk", "config", "ascending_ids")
+)
 # The CPU cases share these shapes (so they share compilations): 203 positions is not a
 # multiple of 8; 13 blocks make a partial 8-block tile and two CTAs per query.
 CPU_SHAPE = {"batch": 4, "n_pos": 203, "n_blocks": 13}
@@ -120,6 +122,17 @@ def run_case(implementation, options, *, seed, n_heads, topk, **shape):
     full = full_scan(*inputs, topk)
     tol = 1e-5 * float(np.abs(np.asarray(want)[np.isfinite(want)]).max(initial=1.0))
     assert_same_selection(picks.indices, full.indices, want, pool_positions(inputs[3], 8), tol)
+    # The implementation's own top-k, with and without the sort that ascending ids make
+    # needless: the picks of its scores, bit for bit.
+    for ascending_ids in (False, True):
+        own = scores_of(
+            *inputs,
+            implementation=implementation,
+            topk=topk,
+            ascending_ids=ascending_ids,
+            **options,
+        )
+        jax.tree.map(np.testing.assert_array_equal, own, picks)
 
 
 @pytest.mark.parametrize(("implementation", "options"), CPU_IMPLEMENTATIONS)

@@ -15,8 +15,10 @@
     (BENCHMARKS.md, 2026-12-02): as fast as the sort at 16,384 scores (a chain of small
     kernels), 1.5× faster at 131,072.
   - 'kernel': `kernel_triton.select`, the radix select and its compaction in one Pallas
-    program per row (interpreted under 'pallas_interpret'), on the whole row where it has at
-    most `kernel_triton.MAX_N` scores, else as the leaves of the selection through the best
+    program per row (interpreted under 'pallas_interpret'; a pool's row of 16,384 scores is
+    split over two programs, then their picks selected by a third:
+    `kernel_triton.default_segments`), on the whole row where it has at most
+    `kernel_triton.MAX_N` scores, else as the leaves of the selection through the best
     blocks. Compiled on the H200 (2026-12-04, BENCHMARKS.md): equal to the definition at 1-
     and 2-bit passes, and with 2-bit passes 1.6× 'blocks' at 16,384 scores, 2.3× at 131,072.
   What they take: `supports` (not `neginf_picks='keep'` with a mask; 'kernel': rows or k·8 of
