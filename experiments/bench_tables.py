@@ -448,8 +448,7 @@ def _report_kind(report: dict) -> str | None:
     return None
 
 
-# Issue 16's targets: (report kind, target, the figure's reader, its bound, at most or at least).
-_MILLION = "1048576"
+_MILLION = "1048576"  # the context of issue 16's targets
 
 
 def _scan_speedup(r):
@@ -513,7 +512,8 @@ TARGETS = (
     ("attention", "FP4 sparse attention ≥ 300 TFLOP/s at batch 128", _attention(128), 300, 1),
     ("decode", "decoder indexer stack ≤ 1.3× the source scan at 1 M", _indexer_stack, 1.3, -1),
 )  # fmt: skip
-"""Issue 16's targets, each read from the benchmark report of its kind."""
+"""Issue 16's targets, each read from the benchmark report of its kind: (report kind, target,
+the reader of its figure, its bound, 1 for at least the bound or −1 for at most)."""
 
 
 def targets(reports: list[dict], paths: list[Path]) -> str:

@@ -32,10 +32,10 @@ and blocks of 8 positions (`supports` says so to callers). How:
   layout (a block's 8 positions in the threads that hold its row), takes each row's max and
   stores the CTA's block maxima once: 4 bytes leave per 8 rows of 68 bytes read.
 - `block_ids=None` (the source scan): every block of the cache, no ids read. A tile's ids are
-  its position in the grid, its rows consecutive positions, and a tile wholly past its row's
-  length is emitted as −inf without a decode or a product, so a ragged batch costs its rows'
-  lengths (2026-12-04: 1.38 against 2.37 ms at 1 M × 64, lengths spread over (0, S]; the
-  branch costs a full-length batch 2.5 %, NOTES.md).
+  its position in the grid, its rows consecutive positions, and the tiles wholly past its
+  row's length are emitted as −inf without a decode or a product, in a loop of their own after
+  the live tiles', so a ragged batch costs its rows' lengths (2026-12-04: 1.36 against 2.37 ms
+  at 1 M × 64, lengths spread over (0, S]; NOTES.md).
 - The decode emits the 128 dims in the order its registers hold them (`COLUMN_DIMS`: a thread's
   f16 pair is nibbles k and k+4 of one word), so q is permuted the same way once per call
   (`permute_dims`): q·k is unchanged and no register shuffles are needed.
@@ -769,15 +769,14 @@ def _pooled(
         plgpu.TilingTransform((8, swizzle // 2)),
         plgpu.SwizzleTransform(swizzle),
     )
-    if block_max:  # every tile's scores, then the CTA's block maxima
+    # Every tile's scores stay in shared memory: stored once, or first reduced to the CTA's
+    # block maxima.
+    staging = [plgpu.SMEM((tiles_per_cta, TILE_ROWS), jnp.float32)]
+    if block_max:
         out_type = (batch, n_splits, tiles_per_cta * TILE_BLOCKS)
-        staging = [
-            plgpu.SMEM((tiles_per_cta, TILE_ROWS), jnp.float32),
-            plgpu.SMEM((tiles_per_cta * TILE_BLOCKS,), jnp.float32),
-        ]
-    else:  # every tile's scores, stored once
+        staging.append(plgpu.SMEM((tiles_per_cta * TILE_BLOCKS,), jnp.float32))
+    else:
         out_type = (batch, n_splits, tiles_per_cta, TILE_ROWS)
-        staging = [plgpu.SMEM((tiles_per_cta, TILE_ROWS), jnp.float32)]
     ids_scratch = [] if every_block else [plgpu.SMEM((tiles_per_cta, TILE_BLOCKS), jnp.int32)]
     kernel = plgpu.kernel(
         functools.partial(
