@@ -8,7 +8,7 @@
 #                                   # scan_check (issue 16's open checks, a call each) |
 #                                   # early_exit_tests | early_exit_bench (the fifth session's)
 #                                   # segments | segments_tune | two_loops | row_output
-#                                   # (the sixth session's)
+#                                   # (the sixth session's) | attention_async (the seventh's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -190,6 +190,19 @@ if [[ $stage == row_output ]]; then
     --digit-bits 1 --kernel-segments 1 2 --kernel-row-output \
     --shapes pool_slots source_block_leaves source_own_slots \
     --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
+fi
+if [[ $stage == attention_async ]]; then
+  # The seventh session's (CPU only: prepared, not yet run): the attention kernel's staged
+  # gather (`TuningConfig(gather='async')`, cp.async copies of the next top-k chunk) compiled
+  # against the definition, then the benchmark at batch 64 and 128 with it and the three
+  # leave-one-out variants (top-k rows, their gather alone, their decode alone) beside the
+  # default. Guards total 520 s.
+  timeout -s INT 220 "$PY" -m pytest -m gpu -v -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "async_gather or test_matches_reference_gpu" 2>&1 \
+    | tee "$OUT/gpu_tests_attention.log" | tail -12 || status=1
+  timeout -s INT 300 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --variants async_gather no_topk_rows no_topk_gather no_topk_decode \
+    --out "$OUT/bench_sparse_attention_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

@@ -158,21 +158,66 @@ def test_fp4_sparse_attention_lowers(backend, heads):
     assert calls[kernel] >= 1, calls
 
 
-def test_the_attention_kernels_leave_one_out_variant_lowers():
-    """`TuningConfig(ablation='no_topk_rows')` (the benchmark's leave-one-out timing) lowers,
-    and a config it does not apply to is refused by name."""
-    tuning = kernel_mgpu.TuningConfig(ablation="no_topk_rows")
+@pytest.mark.parametrize("ablation", kernel_mgpu.ABLATIONS)
+def test_the_attention_kernels_leave_one_out_variants_lower(ablation):
+    """`TuningConfig(ablation=...)` (the benchmark's leave-one-out timings) lowers, and a config
+    it does not apply to is refused by name."""
+    tuning = kernel_mgpu.TuningConfig(ablation=ablation)
     attend = functools.partial(
         attention_api.fp4_sparse_attention,
         implementation="pallas",
         config=attention_api.Config(mgpu=tuning),
     )
-    args = attention_args(64)
-    lowers_to(attend, *args, mosaic_gpu=1)
-    with pytest.raises(ValueError, match="ablation: expected None or 'no_topk_rows'"):
+    lowers_to(attend, *attention_args(64), mosaic_gpu=1)
+    with pytest.raises(ValueError, match="ablation: expected None or one of"):
         kernel_mgpu.TuningConfig(ablation="no_decode")
     with pytest.raises(ValueError, match="ablation: only with kernel='exchange'"):
-        kernel_mgpu.TuningConfig(kernel="specialized", ablation="no_topk_rows")
+        kernel_mgpu.TuningConfig(kernel="specialized", ablation=ablation)
+
+
+ATTENTION_VARIANTS = {
+    "exchange": kernel_mgpu.TuningConfig(),
+    "prefetch": kernel_mgpu.TuningConfig(prefetch=True),
+    "async_gather": kernel_mgpu.TuningConfig(gather="async"),
+    "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
+    "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
+    "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
+}
+
+
+@pytest.mark.skipif(lowering.PTXAS is None, reason="ptxas (CUDA's assembler) is not on PATH")
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS, ids=str)
+def test_the_attention_kernels_inline_ptx_assembles(variant):
+    """Every inline PTX program a variant of the attention kernel writes, at both head dims,
+    assembles for sm_90a (`lowering.assemble_inline_ptx`): a misspelt instruction, a wrong
+    vector width or operand kind fails here, not at the variant's first GPU run."""
+    attend = functools.partial(
+        attention_api.fp4_sparse_attention,
+        implementation="pallas",
+        config=attention_api.Config(mgpu=ATTENTION_VARIANTS[variant]),
+    )
+    for heads, dim in ((64, 512), (3, 256)):
+        with lowering.recording_inline_ptx() as programs:
+            lowering.lower_for_gpu(attend, *attention_args(heads, dim=dim))
+        assert programs, "no inline PTX recorded: the kernel did not lower inside the block"
+        assert lowering.assemble_inline_ptx(programs) >= 5
+
+
+def test_the_ptxas_check_rejects_what_ptxas_rejects():
+    """The check can fail: a 16-byte-only `cp.async.cg` given 8 bytes, and a 3-wide vector
+    load, are refused with ptxas's message; without ptxas, the check says so."""
+    if lowering.PTXAS is None:
+        with pytest.raises(RuntimeError, match="ptxas: not on PATH"):
+            lowering.assemble_inline_ptx([])
+        return
+    bad = kernel_mgpu.CP_ASYNC_16_PTX.replace("16,", "8,")
+    with pytest.raises(RuntimeError, match=r"cp\.async"):
+        lowering.assemble_inline_ptx([lowering.InlinePtx(bad, ("r", "l", "r"))])
+    bad = kernel_mgpu.LD_SHARED_V4_PTX.replace(", $3}", "}")
+    with pytest.raises(RuntimeError, match="vector size"):
+        lowering.assemble_inline_ptx([lowering.InlinePtx(bad, ("r",) * 5)])
+    good = lowering.InlinePtx(kernel_mgpu.LD_SHARED_V4_PTX, ("r",) * 5)
+    assert lowering.assemble_inline_ptx([good, good]) == 1  # distinct programs only
 
 
 def test_the_kernel_decode_step_lowers():

@@ -163,9 +163,14 @@ def test_specialized_kernel_matches_reference_gpu(case, splits):
     the interpreter does not finish its three warpgroups on a 2-core CPU (2026-12-04: the two
     consumers wait at their first barrier and the producer never runs), so it has no CPU
     case."""
-    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits)
+    check_variant_compiled(kernel_mgpu.TuningConfig(kernel="specialized", splits=splits), case, 9)
+
+
+def check_variant_compiled(tuning, case, seed):
+    """A Mosaic GPU kernel variant compiled, on a case of either list, against the definition:
+    finite, within bf16's tolerance, zeros for an empty row, the same bits twice."""
     spec = {**GPU_CASES, **CPU_CASES}[case]
-    args = make_case(9, **spec)
+    args = make_case(seed, **spec)
     attend = jax.jit(attention_fn("mgpu", config=api.Config(mgpu=tuning)))
     out = attend(*args)
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -215,6 +220,47 @@ def test_bf16_cache_baseline_matches_reference():
     kv_bf16, win_bf16 = unpacked_caches(kv, win, q.shape[-1])
     out = bf16_cache_attention(q, kv_bf16, indices, win_bf16, valid, sink)
     assert rel_err(out, packed_sparse_attention(q, kv, indices, win, valid, sink)) < 1e-2
+
+
+@pytest.mark.parametrize("splits", (None, 2))
+def test_async_gather_matches_reference(splits):
+    """`TuningConfig(gather='async')`: the next top-k chunk's rows copied into shared memory
+    while this chunk computes. Interpreted, the copies are the jnp gather itself, so this
+    checks the kernel's order of steps (the first chunk staged before the window's, each
+    chunk's decode before the next one's copies); the PTX path is the GPU test's below."""
+    tuning = kernel_mgpu.TuningConfig(gather="async", splits=splits)
+    for case in ("ragged", "no_window", "dim512"):
+        args = make_case(11, **CPU_CASES[case])
+        out = attention_fn("mgpu", config=api.Config(mgpu=tuning))(*args)
+        assert rel_err(out, _reference(*args)) <= 1e-2
+        assert_no_races("mgpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
+@pytest.mark.parametrize("splits", (None, 2))
+def test_async_gather_matches_reference_gpu(case, splits):
+    """The staged gather compiled (`cp.async` copies, each thread reading back its own words):
+    every case, the empty row and the top-k-less one included, against the definition, and
+    the same bits twice."""
+    check_variant_compiled(kernel_mgpu.TuningConfig(gather="async", splits=splits), case, 10)
+
+
+def test_tuning_errors_name_the_option():
+    with pytest.raises(ValueError, match="gather"):
+        kernel_mgpu.TuningConfig(gather="tma")
+    with pytest.raises(ValueError, match="gather: 'async' only with kernel='exchange'"):
+        kernel_mgpu.TuningConfig(gather="async", kernel="specialized")
+    with pytest.raises(ValueError, match="prefetch=True"):
+        kernel_mgpu.TuningConfig(gather="async", prefetch=True)
+    with pytest.raises(ValueError, match="ablation"):
+        kernel_mgpu.TuningConfig(ablation="no_window")
+    args = make_case(4, **CPU_CASES["ragged"])
+    for ablation in ("no_topk_gather", "no_topk_decode"):
+        config = api.Config(mgpu=kernel_mgpu.TuningConfig(ablation=ablation))
+        with pytest.raises(ValueError, match=f"config.ablation: '{ablation}'.*dequant='ptx'"):
+            attention_fn("mgpu", config=config)(*args)
 
 
 def test_errors_name_the_argument():

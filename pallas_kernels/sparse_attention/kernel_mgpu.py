@@ -6,7 +6,8 @@ query's FP8 window rows first, then the compressed rows its top-k selects. Warpg
 [w·D/2, (w+1)·D/2) of the latent. Per chunk:
 
 1. each thread gathers its share of the chunk's packed rows straight from HBM with vector loads
-   (Hopper has no TMA gather; `TuningConfig.prefetch` loads the next chunk's rows ahead), decodes
+   (Hopper has no TMA gather; `TuningConfig.prefetch` loads the next chunk's rows ahead into
+   registers, `TuningConfig(gather='async')` copies them ahead into shared memory), decodes
    E2M1 × E4M3 (window: E4M3 × UE8M0) to bf16 in registers and stores the tile into 128-byte
    swizzled shared memory; a −1 slot is decoded from zeroed bytes, so it holds exact zeros;
 2. a partial QK^T over its half of D (wgmma 64×64×D/2); the two partial logit tiles are summed
@@ -180,6 +181,17 @@ or.b32 $1, f, e;
 }"""
 
 
+# The staged gather (`TuningConfig(gather='async')`): a thread copies its own raw words of the
+# next top-k chunk from HBM into its own slots of shared memory with `cp.async` (no registers
+# held while the copies fly), and reads them back after waiting for its own copies only. A
+# −1 slot copies 0 source bytes: `cp.async` fills the destination with zeros.
+CP_ASYNC_16_PTX = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
+CP_ASYNC_4_PTX = "cp.async.ca.shared.global [$0], [$1], 4, $2;"
+CP_ASYNC_COMMIT_PTX = "cp.async.commit_group;"
+CP_ASYNC_WAIT_PTX = "cp.async.wait_group 0;"
+LD_SHARED_V4_PTX = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
+
+
 HEAD_DIMS = (256, 512)
 """The head dims (D) the kernel takes: two warpgroups each hold D/2 columns in 64-wide tiles."""
 
@@ -194,6 +206,13 @@ def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
         (window_fmt == "fp8", "window_fmt", "'fp8'", window_fmt),
         (dim in HEAD_DIMS, "dim", " or ".join(map(str, HEAD_DIMS)), dim),
     )
+
+
+ABLATIONS = ("no_topk_rows", "no_topk_gather", "no_topk_decode")
+"""`TuningConfig.ablation`'s measurement aids (wrong results, timings only)."""
+
+GATHERS = ("registers", "async")
+"""`TuningConfig.gather`: how a top-k chunk's packed rows reach the decode."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,24 +238,44 @@ class TuningConfig:
         partial outputs merged by log-sum-exp in XLA (split-KV, as flash-decoding). None: as
         many as keep every SM busy (number of SMs // (B · head groups), at most 4), so a batch
         of 64 queries still fills the 132 SMs of an H200; 1 on CPU.
-      ablation: a measurement aid ('exchange' only; wrong results): 'no_topk_rows' skips the
+      gather: ('exchange' only) how a top-k chunk's packed rows reach the decode. 'registers'
+        (the default): each thread loads its words from HBM when the chunk starts and waits
+        for them. 'async': each thread copies the next chunk's words into its own slots of
+        shared memory with `cp.async` while this chunk's products run, and reads them back
+        after waiting for its own copies only (no barrier: no thread reads another's words;
+        no registers held across the products, unlike `prefetch`). 20 KB of staging at
+        D = 512. On the GPU tests' list, not yet measured (NOTES.md).
+      ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
-        tile last held (the window's chunks still run). Timed against the full kernel
-        (`bench.py --variants no_topk_rows`), it says what the top-k rows' gather and decode
-        cost (NOTES.md).
+        tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
+        from the slot numbers instead of loading the rows; 'no_topk_decode' loads the rows
+        and stores the raw words into the tile without decoding them (both need
+        dequant='ptx': the interpreter's decode has neither step to leave out). Timed against
+        the full kernel (`bench.py --variants ...`), they say what the top-k rows' gather and
+        decode cost, together and apart (NOTES.md).
     """
 
     dequant: str = "ptx"
     kernel: str = "exchange"
     prefetch: bool = False
+    gather: str = "registers"
     splits: int | None = None
     ablation: str | None = None
 
     def __post_init__(self):
-        if self.ablation not in (None, "no_topk_rows"):
-            raise ValueError(f"ablation: expected None or 'no_topk_rows', got {self.ablation!r}")
+        if self.ablation not in (None, *ABLATIONS):
+            raise ValueError(
+                f"ablation: expected None or one of {ABLATIONS}, got {self.ablation!r}"
+            )
         if self.ablation is not None and self.kernel != "exchange":
             raise ValueError(f"ablation: only with kernel='exchange', got kernel={self.kernel!r}")
+        if self.gather not in GATHERS:
+            raise ValueError(f"gather: expected one of {GATHERS}, got {self.gather!r}")
+        if self.gather == "async" and (self.kernel != "exchange" or self.prefetch):
+            raise ValueError(
+                "gather: 'async' only with kernel='exchange' and prefetch=False, got "
+                f"kernel={self.kernel!r}, prefetch={self.prefetch}"
+            )
         if self.kernel not in ("specialized", "exchange"):
             raise ValueError(f"kernel: expected 'specialized' or 'exchange', got {self.kernel!r}")
         if self.dequant not in ("ptx", "jnp"):
@@ -340,6 +379,10 @@ class _Geometry:
     def fp4_words(self) -> int:  # raw words per thread per chunk: 8 nibble words + 1 scale word
         return 9 * self.pieces
 
+    @property
+    def staged_quads(self) -> int:  # 16-byte slots per thread of the staged gather
+        return 2 * self.pieces + 1  # two per piece's nibbles, one for all scale words
+
 
 def _thread_piece(tid: ir.Value, piece: int) -> tuple[ir.Value, ir.Value]:
     """(row, tile) of a thread's `piece`: thread t owns row t mod 64 and tiles t//64 + 2·piece,
@@ -356,34 +399,122 @@ def _half_index(half: int | None) -> tuple[ir.Value, ir.Value]:
     return tid, wg if half is None else _i32(half)
 
 
-def _fp4_load(
+def _fp4_addresses(
     geometry: _Geometry, kv_rows: ir.Value, slots: ir.Value, half: int | None
-) -> list[ir.Value]:
-    """This thread's raw NVFP4 words of one chunk's `half` of D (`_half_index`): per piece 8
-    words of E2M1 nibbles (64 dims) and 1 word of E4M3 scales; all zero for a −1 slot."""
+) -> tuple[ir.Value, ir.Value, list[tuple[ir.Value, ir.Value]]]:
+    """(valid, clamped row, per piece the i64 addresses of its 32 nibble bytes and of its scale
+    word) of this thread's share of one chunk's `half` of D (`_half_index`)."""
+    i64 = ir.IntegerType.get_signless(64)
     tid, wg = _half_index(half)
     g = geometry
     row, _ = _thread_piece(tid, 0)
     valid, safe = _row_slot(slots, row)
     address = _global_address(kv_rows, safe, g.kv_row_bytes)
-    zero = _i32(0)
-    words = []
+    pieces = []
     for piece in range(g.pieces):
         _, tile = _thread_piece(tid, piece)
         # Nibbles of dims [wg·D/2 + 64·tile, +64) start at byte wg·D/4 + 32·tile; the four
         # scales at D/2 + wg·D/32 + 4·tile.
         nib = arith.addi(arith.muli(wg, _i32(g.half // 2)), arith.muli(tile, _i32(32)))
         sc = arith.addi(arith.muli(wg, _i32(g.half // 16)), arith.muli(tile, _i32(4)))
-        nib_address = arith.addi(address, arith.extui(ir.IntegerType.get_signless(64), nib))
-        sc_address = arith.addi(address, arith.extui(ir.IntegerType.get_signless(64), sc))
-        piece_words = _load_words(nib_address, 0, 8)  # rows of 9D/16 bytes: 16-aligned
-        piece_words += _load_words(sc_address, g.dim // 2, 1)
+        sc = arith.addi(sc, _i32(g.dim // 2))
+        pieces.append(
+            (arith.addi(address, arith.extui(i64, nib)), arith.addi(address, arith.extui(i64, sc)))
+        )
+    return valid, safe, pieces
+
+
+def _fp4_load(
+    geometry: _Geometry,
+    kv_rows: ir.Value,
+    slots: ir.Value,
+    half: int | None,
+    gather: bool = True,
+) -> list[ir.Value]:
+    """This thread's raw NVFP4 words of one chunk's `half` of D (`_half_index`): per piece 8
+    words of E2M1 nibbles (64 dims) and 1 word of E4M3 scales; all zero for a −1 slot.
+    `gather=False` (the 'no_topk_gather' ablation) makes the words from the row number instead
+    of loading them: the decode still runs on values the compiler cannot know."""
+    valid, safe, pieces = _fp4_addresses(geometry, kv_rows, slots, half)
+    zero = _i32(0)
+    words = []
+    for piece, (nib_address, sc_address) in enumerate(pieces):
+        if gather:
+            piece_words = _load_words(nib_address, 0, 8)  # rows of 9D/16 bytes: 16-aligned
+            piece_words += _load_words(sc_address, 0, 1)
+        else:
+            piece_words = [
+                arith.xori(safe, _i32(0x01234567 * (9 * piece + i + 1) & 0x7FFFFFFF))
+                for i in range(9)
+            ]
         words += [arith.select(valid, w, zero) for w in piece_words]
     return words
 
 
-def _fp4_decode_store(geometry: _Geometry, words: list[ir.Value], dst: ir.Value) -> None:
-    """Decodes `_fp4_load`'s words and stores them as bf16 into the swizzled tile `dst`."""
+def _staging_address(staging: ir.Value, tid: ir.Value, quad: int) -> ir.Value:
+    """Shared address of this thread's 16-byte slot `quad` in `staging` [quads, 128, 4] int32:
+    slot-major, so a warp's 32 threads touch 512 consecutive bytes (no bank conflict)."""
+    offset = arith.shli(arith.addi(tid, _i32(quad * WARPGROUP)), _i32(4))
+    return arith.addi(_smem_address(staging), offset)
+
+
+def _fp4_stage(
+    geometry: _Geometry, kv_rows: ir.Value, slots: ir.Value, staging: ir.Value, half: int | None
+) -> None:
+    """Starts copying this thread's raw words of one chunk (`_fp4_load`'s, in the same order)
+    into its slots of `staging` with `cp.async`, one commit group: per piece two 16-byte copies
+    of nibbles to slots 2·piece and 2·piece + 1, its scale word to word `piece` of the last slot.
+    A −1 slot copies 0 bytes of row 0: the slots fill with zeros, as `_fp4_load`'s words are."""
+    tid, _ = _half_index(half)
+    valid, _, pieces = _fp4_addresses(geometry, kv_rows, slots, half)
+    size16 = arith.select(valid, _i32(16), _i32(0))
+    size4 = arith.select(valid, _i32(4), _i32(0))
+    scale_slot = _staging_address(staging, tid, 2 * geometry.pieces)
+    for piece, (nib_address, sc_address) in enumerate(pieces):
+        for j in range(2):
+            dst = _staging_address(staging, tid, 2 * piece + j)
+            src = arith.addi(nib_address, _i64(16 * j))
+            mgpu_utils.inline_ptx(CP_ASYNC_16_PTX, dst, src, size16, has_side_effects=True)
+        dst = arith.addi(scale_slot, _i32(4 * piece))
+        mgpu_utils.inline_ptx(CP_ASYNC_4_PTX, dst, sc_address, size4, has_side_effects=True)
+    mgpu_utils.inline_ptx(CP_ASYNC_COMMIT_PTX, has_side_effects=True)
+
+
+def _fp4_unstage(geometry: _Geometry, staging: ir.Value) -> list[ir.Value]:
+    """Waits for this thread's copies (`_fp4_stage`) and reads its words back from `staging`,
+    in `_fp4_load`'s order. `cp.async.wait_group` makes a thread's own copies visible to it,
+    and no thread reads another's slots: no barrier."""
+    i32 = ir.IntegerType.get_signless(32)
+    tid, _ = _thread_in_warpgroup()
+    mgpu_utils.inline_ptx(CP_ASYNC_WAIT_PTX, has_side_effects=True)
+
+    def read(quad):
+        address = _staging_address(staging, tid, quad)
+        return list(
+            mgpu_utils.inline_ptx(
+                LD_SHARED_V4_PTX, address, result_types=[i32] * 4, has_side_effects=True
+            )
+        )
+
+    scales = read(2 * geometry.pieces)
+    words = []
+    for piece in range(geometry.pieces):
+        words += read(2 * piece) + read(2 * piece + 1) + [scales[piece]]
+    return words
+
+
+def _cp_async_drain() -> None:
+    """Waits for this thread's outstanding `cp.async` copies (the last chunk's, never read:
+    none may still write shared memory when the CTA exits)."""
+    mgpu_utils.inline_ptx(CP_ASYNC_WAIT_PTX, has_side_effects=True)
+
+
+def _fp4_decode_store(
+    geometry: _Geometry, words: list[ir.Value], dst: ir.Value, decode: bool = True
+) -> None:
+    """Decodes `_fp4_load`'s words and stores them as bf16 into the swizzled tile `dst`.
+    `decode=False` (the 'no_topk_decode' ablation) stores the raw words instead, each nibble
+    word with its scale word folded in, so every loaded word is used."""
     i32 = ir.IntegerType.get_signless(32)
     tid, _ = _thread_in_warpgroup()
     dst_base = _smem_address(dst)
@@ -393,6 +524,11 @@ def _fp4_decode_store(geometry: _Geometry, words: list[ir.Value], dst: ir.Value)
     for piece in range(geometry.pieces):
         row, tile = _thread_piece(tid, piece)
         nibbles, scales = words[9 * piece : 9 * piece + 8], words[9 * piece + 8]
+        if not decode:
+            for k, word in enumerate(nibbles):
+                out = [arith.xori(word, scales), word, word, word]
+                _store_chunk(dst_base, row, tile, geometry.tiles, k, out)
+            continue
         pairs = mgpu_utils.inline_ptx(E4M3_SCALES_PTX, scales, result_types=[i32] * 4)
         for k, word in enumerate(nibbles):
             out = mgpu_utils.inline_ptx(E2M1_PTX, word, pairs[k // 2], result_types=[i32] * 4)
@@ -462,8 +598,10 @@ def _unpack_raw(raw: mgpu.FragmentedArray) -> list[ir.Value]:
 # ---------------------------------------------------------------------------------------------
 # The dequant step, behind one interface for both paths: `load(rows, slots)` returns the raw data
 # to carry (the prefetch), `store(raw, dst, rows, slots)` writes the bf16 tile of one half of D
-# of a top-k chunk, `window(rows, slots, dst)` does both for a window chunk. The half: `half`,
-# or for None the calling warpgroup's own.
+# of a top-k chunk, `window(rows, slots, dst)` does both for a window chunk; the staged gather
+# (`TuningConfig.gather='async'`): `stage(rows, slots, staging)` starts the copies of a top-k
+# chunk's words, `store_staged(staging, dst, rows, slots)` waits for them and writes the tile,
+# `drain()` waits for any copies left. The half: `half`, or for None the calling warpgroup's own.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,33 +609,64 @@ class _Dequant:
     load: Callable[..., jax.Array]
     store: Callable[..., None]
     window: Callable[..., None]
+    stage: Callable[..., None]
+    store_staged: Callable[..., None]
+    drain: Callable[[], None]
 
 
-def _ptx_dequant(geometry: _Geometry, half: int | None = None) -> _Dequant:
+def _ptx_dequant(
+    geometry: _Geometry, half: int | None = None, ablation: str | None = None
+) -> _Dequant:
+    """The GPU path; `ablation` 'no_topk_gather' or 'no_topk_decode' leaves that step out of
+    the top-k chunks (`TuningConfig.ablation`)."""
     raw_type = plgpu.ShapeDtypeStruct(
         (WARPGROUP * geometry.fp4_words,), jnp.int32, layout=_raw_layout(geometry)
     )
+    gather, decode = ablation != "no_topk_gather", ablation != "no_topk_decode"
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=raw_type)
     def load(ctx, kv_rows, slots):
         del ctx
-        return _pack_raw(_fp4_load(geometry, kv_rows, slots, half), geometry)
+        return _pack_raw(_fp4_load(geometry, kv_rows, slots, half, gather), geometry)
 
     @plgpu.inline_mgpu(arg_types=(_raw_layout(geometry), plgpu.RefType(_TILE)))
     def store_raw(ctx, raw, dst):
         del ctx
-        _fp4_decode_store(geometry, _unpack_raw(raw), dst)
+        _fp4_decode_store(geometry, _unpack_raw(raw), dst, decode)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_TILE)))
     def window(ctx, win_rows, slots, dst):
         del ctx
         _fp8_load_decode_store(geometry, win_rows, slots, dst, half)
 
-    return _Dequant(load, lambda raw, dst, rows, slots: store_raw(raw, dst), window)
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def stage(ctx, kv_rows, slots, staging):
+        del ctx
+        _fp4_stage(geometry, kv_rows, slots, staging, half)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_TILE)))
+    def store_staged(ctx, staging, dst):
+        del ctx
+        _fp4_decode_store(geometry, _fp4_unstage(geometry, staging), dst, decode)
+
+    @plgpu.inline_mgpu()
+    def drain(ctx):
+        del ctx
+        _cp_async_drain()
+
+    return _Dequant(
+        load,
+        lambda raw, dst, rows, slots: store_raw(raw, dst),
+        window,
+        stage,
+        lambda staging, dst, rows, slots: store_staged(staging, dst),
+        drain,
+    )
 
 
 def _jnp_dequant(geometry: _Geometry, half: int | None = None) -> _Dequant:
-    """The interpret-mode stand-in: gather whole rows and unpack them with `formats.unpack`."""
+    """The interpret-mode stand-in: gather whole rows and unpack them with `formats.unpack`;
+    the staged gather's copies are the gather itself (`stage` and `drain` do nothing)."""
 
     def decode(rows_ref, slots_ref, dst_ref, fmt):
         slots = slots_ref[...]
@@ -511,6 +680,9 @@ def _jnp_dequant(geometry: _Geometry, half: int | None = None) -> _Dequant:
         load=lambda rows, slots: jnp.zeros((WARPGROUP * geometry.fp4_words,), jnp.int32),
         store=lambda raw, dst, rows, slots: decode(rows, slots, dst, "nvfp4"),
         window=lambda rows, slots, dst: decode(rows, slots, dst, "fp8"),
+        stage=lambda rows, slots, staging: None,
+        store_staged=lambda staging, dst, rows, slots: decode(rows, slots, dst, "nvfp4"),
+        drain=lambda: None,
     )
 
 
@@ -746,8 +918,7 @@ def _exchange_kernel(
     lse_smem,
     load_barriers,
     exchange_barrier,
-    p_smem=None,
-    *,
+    *optional,
     geometry: _Geometry,
     n_window_chunks: int,
     n_topk_chunks: int,
@@ -755,13 +926,23 @@ def _exchange_kernel(
     logit_scale: float,
     dequant,
     prefetch: bool,
+    gather: str,
     interpret: bool,
     ablation: str | None = None,
 ):
     """The default kernel (`TuningConfig(kernel='exchange')`, the module docstring's design):
     one key tile [2 halves, 64, D/2]; per chunk the gather and decode, each warpgroup's partial
     QK^T over its half of D, the two partial logit tiles summed through s_smem, the softmax and
-    PV, one after another."""
+    PV, one after another. `optional` scratch, in this order: the staged gather's slots
+    [2 warpgroups, quads, 128, 4] with gather='async', P's buffer in the interpreter.
+
+    With gather='async' the first top-k chunk's copies start before the window's chunks, and
+    each top-k chunk starts the next one's after its decode (`_fp4_stage`): the copies fly
+    while the chunk's products run."""
+    optional = list(optional)
+    staging = optional.pop(0) if gather == "async" else None
+    p_smem = optional.pop(0) if interpret else None
+    assert not optional, optional
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     half = geometry.half
@@ -821,10 +1002,14 @@ def _exchange_kernel(
     def topk_step(c, carry):
         acc, m, denom, raw = carry
         chunk = n_window_chunks + c
+        nxt = n_window_chunks + jnp.minimum(c + 1, k_hi - 1)
         if ablation == "no_topk_rows":  # TuningConfig.ablation: no gather, no decode
             return (*attend(chunk, chunk % 2, (acc, m, denom)), raw)
+        if gather == "async":  # this chunk's words are staged; stage the next one's
+            dequant.store_staged(staging.at[wg], dst, kv_rows, chunk_slots(chunk))
+            dequant.stage(kv_rows, chunk_slots(nxt), staging.at[wg])
+            return (*attend(chunk, chunk % 2, (acc, m, denom)), raw)
         if prefetch:
-            nxt = n_window_chunks + jnp.minimum(c + 1, k_hi - 1)
             raw_next = dequant.load(kv_rows, chunk_slots(nxt))
         else:
             raw = raw_next = dequant.load(kv_rows, chunk_slots(chunk))
@@ -833,9 +1018,15 @@ def _exchange_kernel(
 
     first = n_window_chunks + jnp.minimum(k_lo, n_topk_chunks - 1)  # always a real chunk
     acc0, m0, denom0 = _open_softmax(sink_smem.at[wg], half)
-    carry = (acc0, m0, denom0, dequant.load(kv_rows, chunk_slots(first)))
-    carry = lax.fori_loop(w_lo, w_hi, window_step, carry)
+    if gather == "async":
+        dequant.stage(kv_rows, chunk_slots(first), staging.at[wg])
+        raw0 = None  # nothing carried: the words wait in shared memory
+    else:
+        raw0 = dequant.load(kv_rows, chunk_slots(first))
+    carry = lax.fori_loop(w_lo, w_hi, window_step, (acc0, m0, denom0, raw0))
     acc, m, denom, _ = lax.fori_loop(k_lo, k_hi, topk_step, carry)
+    if gather == "async":
+        dequant.drain()  # the last step's copies (a repeat of its own chunk) were never read
     # q is no longer read: its buffer takes the output.
     _write_output(
         acc,
@@ -931,7 +1122,17 @@ def fp4_sparse_attention_mgpu(
     if n_window == 0:
         window_packed = jnp.zeros((batch, 1, geometry.window_row_bytes), jnp.uint8)
 
-    make_dequant = _ptx_dequant if dequant_kind == "ptx" else _jnp_dequant
+    if config.ablation in ("no_topk_gather", "no_topk_decode") and dequant_kind != "ptx":
+        raise ValueError(
+            f"config.ablation: {config.ablation!r} leaves a step out of the PTX decode; it "
+            f"needs dequant='ptx' on the GPU, got dequant={dequant_kind!r}"
+            + " (interpret mode)"
+            * interpret
+        )
+    if dequant_kind == "ptx":
+        make_dequant = functools.partial(_ptx_dequant, ablation=config.ablation)
+    else:
+        make_dequant = _jnp_dequant
     half = geometry.half
     n_chunks = slots.shape[1]
     statics = dict(
@@ -943,7 +1144,9 @@ def fp4_sparse_attention_mgpu(
         interpret=interpret,
     )
     # Shared memory (D = 512, 10 chunks): q 64 KB, then keys 128 KB (two tiles) or keys 64 KB
-    # and the logit exchange 64 KB (the first kernel), the slots 7.5 or 5 KB.
+    # and the logit exchange 64 KB (the first kernel), the slots 7.5 or 5 KB; the staged
+    # gather's slots 20 KB (the first kernel with gather='async').
+    optional = []  # scratch after the barriers, before P's buffer in the interpreter
     if config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
@@ -963,6 +1166,7 @@ def fp4_sparse_attention_mgpu(
             _exchange_kernel,
             dequant=make_dequant(geometry),
             prefetch=config.prefetch,
+            gather=config.gather,
             ablation=config.ablation,
             **statics,
         )
@@ -973,6 +1177,9 @@ def fp4_sparse_attention_mgpu(
             plgpu.SMEM((2, n_chunks, BLOCK_KV), jnp.int32),
         ]
         barriers = [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2)]
+        if config.gather == "async":  # `_exchange_kernel`'s optional scratch, first
+            staging = (2, geometry.staged_quads, WARPGROUP, 4)
+            optional.append(plgpu.SMEM(staging, jnp.int32))
     out, lse = plgpu.kernel(
         kernel,
         out_type=(
@@ -989,6 +1196,7 @@ def fp4_sparse_attention_mgpu(
             plgpu.SMEM((2, BLOCK_HEADS), jnp.float32),
             plgpu.SMEM((BLOCK_HEADS,), jnp.float32),
             *barriers,
+            *optional,
             *([plgpu.SMEM((2, BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=_TILE)] * interpret),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
