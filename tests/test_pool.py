@@ -14,6 +14,7 @@ from v41jax.ops.pool import (
     CandidatePool,
     pool_mask_from_block_ids,
     select_candidate_blocks,
+    slot_positions,
 )
 from v41jax.ops.scoring import topk_indices
 
@@ -213,6 +214,23 @@ def test_lens_broadcast_and_decode_int():
     np.testing.assert_array_equal(got.block_ids, want[1])
     decode = select_jit(scores[:, 2], 20, 2, 4)
     np.testing.assert_array_equal(decode.block_ids, want[1][:, 2])
+
+
+def test_slot_positions_are_the_pools_positions_at_those_slots():
+    """Against a numpy loop over fresh random ids (−1 blocks, −1 slots, ids out of order)."""
+    rng = np.random.default_rng(8)
+    for block_size in (1, 4, 8):
+        ids = rng.integers(-1, 50, (3, 2, 9))
+        slots = rng.integers(-1, 9 * block_size, (3, 2, 11))
+        want = np.full(slots.shape, -1)
+        for index in np.ndindex(*slots.shape):
+            slot = slots[index]
+            block = ids[index[:-1]][slot // block_size] if slot >= 0 else -1
+            if block >= 0:
+                want[index] = block * block_size + slot % block_size
+        got = jax.jit(slot_positions, static_argnums=2)(ids, slots, block_size)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == jnp.int32
 
 
 @pytest.mark.parametrize(

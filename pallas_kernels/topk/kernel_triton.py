@@ -258,16 +258,18 @@ def _segmented(flat, k: int, tie_order, digit_bits, interpret, program, segments
     indices, values = _select(
         flat.reshape(rows * segments, part), k_part, tie_order, digit_bits, interpret, program
     )
-    indices = indices.reshape(rows, segments, k_part)
-    offsets = (part * jnp.arange(segments, dtype=jnp.int32))[:, None]
-    candidates = jnp.where(indices >= 0, indices + offsets, -1).reshape(rows, -1)
     candidates_row = (None, program[1])  # default warps for the candidates' row
     picks, scores = _select(
         values.reshape(rows, segments * k_part), k, tie_order, digit_bits, interpret,
         candidates_row,
     )  # fmt: skip
-    positions = jnp.take_along_axis(candidates, jnp.maximum(picks, 0), axis=-1)
-    return jnp.where(picks >= 0, positions, -1), scores
+    # Candidate c is pick c % k_part of part c // k_part: its position in the row is that
+    # part's pick plus the part's offset. (A −1 pick of a part scores −inf, so it is never
+    # picked again.) Gathered from the first programs' output as it came, then offset: one
+    # gather and one select over the [rows, k] picks, nothing over the candidates first.
+    safe = jnp.maximum(picks, 0)
+    local = jnp.take_along_axis(indices.reshape(rows, segments * k_part), safe, axis=-1)
+    return jnp.where(picks >= 0, local + part * (safe // k_part), -1), scores
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))

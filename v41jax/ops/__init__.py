@@ -54,6 +54,7 @@ from v41jax.ops.pool import (
     select_candidate_blocks,
     sharded_candidate_blocks,
     sharded_pooled_topk,
+    slot_positions,
 )
 from v41jax.ops.scoring import (
     TopK,
@@ -101,6 +102,7 @@ __all__ = [
     "sharded_packed_sparse_attention",
     "sharded_pooled_topk",
     "sliding_window_rows",
+    "slot_positions",
     "softmax_with_sink",
     "sparse_attention",
     "topk",

@@ -531,6 +531,19 @@ def pool_positions(
     return pos.reshape(*block_ids.shape[:-1], block_ids.shape[-1] * block_size)
 
 
+def slot_positions(
+    block_ids: Int[Array, "*batch n_blocks"], slots: Int[Array, "*batch k"], block_size: int
+) -> Int[Array, "*batch k"]:
+    """`pool_positions(block_ids, block_size)` at the given pool slots (−1 slots give −1):
+    each slot's block id gathered, then offset, so the [..., NB·block_size] positions are never
+    formed (on the GPU the gather reads the ids as they are, and XLA need not materialise the
+    pool's positions before it)."""
+    block_ids = jnp.asarray(block_ids, jnp.int32)
+    safe = jnp.maximum(slots, 0)
+    block = jnp.take_along_axis(block_ids, safe // block_size, axis=-1)
+    return jnp.where((slots >= 0) & (block >= 0), block * block_size + safe % block_size, -1)
+
+
 def pooled_scores(
     k_packed: UInt8[Array, "batch seq row_bytes"],
     q: Float[Array, "batch heads dim"],
@@ -685,9 +698,7 @@ def _slot_picks_to_positions(
 ) -> TopK:
     """The second half of `pool_topk_from_scores`: `topk`'s picks of pool slots (−1 padded) as
     positions sorted ascending, completed with out-of-pool positions under 'keep'."""
-    pos = pool_positions(block_ids, block_size)
-    positions = jnp.take_along_axis(pos, jnp.maximum(picks.indices, 0), axis=-1)
-    positions = jnp.where(picks.indices >= 0, positions, -1)
+    positions = slot_positions(block_ids, picks.indices, block_size)
     if ascending_ids:  # ascending slots in ascending blocks: position order already
         picks = TopK(positions, picks.scores)
     else:  # unsorted block ids would leave the positions unsorted: sort, dropped picks last
