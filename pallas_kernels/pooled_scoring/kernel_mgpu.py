@@ -301,15 +301,13 @@ def _kernel(
     k_hbm,
     k_tiles_hbm,
     q_hbm,
-    w_hbm,
+    meta_hbm,
     ids_hbm,
-    lim_hbm,
     out_hbm,
     k_smem,
     q_smem,
-    w_smem,
+    meta_smem,
     ids_smem,
-    lim_smem,
     out_smem,
     k_barriers,
     meta_barrier,
@@ -328,10 +326,10 @@ def _kernel(
     if ids_hbm is not None:
         plgpu.copy_gmem_to_smem(ids_hbm.at[b, split], ids_smem, meta_barrier)
     plgpu.copy_gmem_to_smem(q_hbm.at[b], q_smem, meta_barrier)
-    plgpu.copy_gmem_to_smem(w_hbm.at[b], w_smem, meta_barrier)
-    plgpu.copy_gmem_to_smem(lim_hbm.at[b], lim_smem, meta_barrier)
+    plgpu.copy_gmem_to_smem(meta_hbm.at[b], meta_smem, meta_barrier)
     plgpu.barrier_wait(meta_barrier)
-    limit = lim_smem[0]
+    heads = q_smem.shape[0]
+    limit = meta_smem[heads]  # the weights' bits, then the limit (`_pooled`)
 
     whole_blocks = interpret
     copies_per_block = 1 if whole_blocks else len(_COPIES)
@@ -454,7 +452,8 @@ def _kernel(
     for stage in range(min(num_stages, n_tiles)):
         fetch(stage, stage)
 
-    weights = plgpu.load(w_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+    weights = plgpu.load(meta_smem.at[pl.ds(0, heads)], layout=plgpu.Layout.WGMMA.reduce(0))
+    weights = lax.bitcast_convert_type(weights, jnp.float32)
     row = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
 
     def refill(tile, slot):
@@ -595,13 +594,11 @@ def _every_block_kernel(
     k_hbm,
     k_tiles_hbm,
     q_hbm,
-    w_hbm,
-    lim_hbm,
+    meta_hbm,
     out_hbm,
     k_smem,
     q_smem,
-    w_smem,
-    lim_smem,
+    meta_smem,
     out_smem,
     k_barriers,
     meta_barrier,
@@ -613,15 +610,13 @@ def _every_block_kernel(
         k_hbm,
         k_tiles_hbm,
         q_hbm,
-        w_hbm,
+        meta_hbm,
         None,
-        lim_hbm,
         out_hbm,
         k_smem,
         q_smem,
-        w_smem,
+        meta_smem,
         None,
-        lim_smem,
         out_smem,
         k_barriers,
         meta_barrier,
@@ -759,7 +754,16 @@ def _pooled(
     q_kernel, w_kernel = kernel_queries(q, weights)
     heads = q_kernel.shape[1]
     limit = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, n_pos)
-    limit = jnp.broadcast_to(limit[:, None], (batch, 32))  # one 128-byte row per query
+    # One int32 row per query: the head weights' bits, then the limit on 32 words (a row a
+    # whole number of 128 bytes): one copy into the kernel, and one small XLA op around it
+    # where the weights and the limit's row were two.
+    meta = jnp.concatenate(
+        [
+            lax.bitcast_convert_type(w_kernel, jnp.int32),
+            jnp.broadcast_to(limit[:, None], (batch, 32)),
+        ],
+        axis=1,
+    )
 
     num_stages = min(config.num_stages, tiles_per_cta)
     # Whole-tile copies need the cache as 128-byte lines: a whole number of them (blocks % 4 = 0).
@@ -793,15 +797,14 @@ def _pooled(
         scratch_types=[
             plgpu.SMEM((num_stages, TILE_ROWS, ROW_WORDS), jnp.uint32),
             plgpu.SMEM((heads, DIM), jnp.float16, transforms=q_transforms),
-            plgpu.SMEM((heads,), jnp.float32),
+            plgpu.SMEM((heads + 32,), jnp.int32),
             *ids_scratch,
-            plgpu.SMEM((32,), jnp.int32),
             staging[0],
             plgpu.Barrier(
                 num_arrivals=TILE_BLOCKS * (1 if interpret else len(_COPIES)),
                 num_barriers=num_stages,
             ),
-            plgpu.Barrier(num_arrivals=4 - every_block),  # the metadata's copies
+            plgpu.Barrier(num_arrivals=3 - every_block),  # the metadata's copies
             *staging[1:],
         ],
         grid=(batch, n_splits),
@@ -824,7 +827,7 @@ def _pooled(
     else:
         k_tiles = k_words  # not read
     ids_input = () if every_block else (ids,)
-    out = kernel(k_words, k_tiles, q_kernel, w_kernel, *ids_input, limit)
+    out = kernel(k_words, k_tiles, q_kernel, meta, *ids_input)
     if block_max:
         return out.reshape(batch, padded_slots)[:, :n_slots]
     return out.reshape(batch, padded_slots * BLOCK_SIZE)[:, : n_slots * BLOCK_SIZE]
