@@ -8,7 +8,8 @@
 #                                   # scan_check (issue 16's open checks, a call each) |
 #                                   # early_exit_tests | early_exit_bench (the fifth session's)
 #                                   # segments | segments_tune | two_loops | row_output
-#                                   # (the sixth session's) | attention_async (the seventh's)
+#                                   # (the sixth session's) | attention_async |
+#                                   # launch_cuts (the seventh's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -203,6 +204,19 @@ if [[ $stage == attention_async ]]; then
   timeout -s INT 300 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
     --variants async_gather no_topk_rows no_topk_gather no_topk_decode \
     --out "$OUT/bench_sparse_attention_h200.json" >/dev/null || status=1
+fi
+if [[ $stage == launch_cuts ]]; then
+  # The seventh session's (CPU only: prepared, not yet run): pooled scoring's kernel reading
+  # the weights and the limit from one row, the picks' positions in one gather each, compiled
+  # against the definitions (GPU tests of pooled scoring, the empty-pools one included, and
+  # of the top-k), then pooled scoring with its top-k at 1 M (`kernels_us`: the small XLA ops
+  # left) and the source scan's route. Guards total 560 s.
+  timeout -s INT 240 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_pooled_scoring.py \
+    tests/test_topk_select.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -12 || status=1
+  timeout -s INT 140 "$PY" -m pallas_kernels.pooled_scoring.bench --contexts 1048576 \
+    --datasets 2 --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
+  timeout -s INT 180 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
+    --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took
