@@ -222,6 +222,25 @@ def test_bf16_cache_baseline_matches_reference():
     assert rel_err(out, packed_sparse_attention(q, kv, indices, win, valid, sink)) < 1e-2
 
 
+@pytest.mark.parametrize("splits", (1, 2))
+def test_the_sink_weighs_as_in_the_definition(splits):
+    """Sinks of 2–5 against few keys, so that the sink holds much of each softmax: a sink taken
+    to the log2 domain wrongly, or counted in more than split 0, moves the output far outside
+    the tolerance (the random cases' sinks are too small a share to show it)."""
+    q, kv, indices, win, valid, sink = make_case(
+        12, batch=2, heads=3, dim=256, n_kv=20, topk=8, window=8
+    )
+    sink = sink + 3.0
+    args = (q, kv, indices, win, valid, sink)
+    config = api.Config(mgpu=kernel_mgpu.TuningConfig(splits=splits))
+    out = attention_fn("mgpu", config=config)(*args)
+    ref = _reference(*args)
+    no_sink = _reference(q, kv, indices, win, valid, jnp.full_like(sink, -jnp.inf))
+    assert rel_err(no_sink, ref) > 0.3  # the sink matters here
+    assert rel_err(out, ref) <= 1e-2
+    assert_no_races("mgpu")
+
+
 @pytest.mark.parametrize("splits", (None, 2))
 def test_async_gather_matches_reference(splits):
     """`TuningConfig(gather='async')`: the next top-k chunk's rows copied into shared memory

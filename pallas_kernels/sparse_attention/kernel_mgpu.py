@@ -698,11 +698,14 @@ def _split_range(split, splits: int, n_window_chunks: int, n_topk_chunks: int):
     return split * n_chunks // splits, (split + 1) * n_chunks // splits
 
 
-def _open_softmax(sink_smem, half: int):
+def _open_softmax(sink_smem, half: int, split):
     """(acc, m, denom) before the first key: the sink opens the running max and sum, so an
     empty row gives acc = 0 and l = 1 (or l = 0 for a −inf sink, guarded at the end), never
-    NaN. Only split 0 has the sink (the others get −inf, so l starts at 0)."""
+    NaN. Only split 0 has the sink (the others add −inf to it, so l starts at 0; a NaN sink
+    stays NaN in split 0, hence in the merge). `sink_smem`: the sink logits as given, taken
+    here to the log2 domain."""
     sink = plgpu.load(sink_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+    sink = sink * _LOG2E + jnp.where(split == 0, 0.0, -jnp.inf)
     m0 = jnp.maximum(sink, -1e30)
     acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
     return acc0, m0, jnp.exp2(sink - m0)
@@ -852,10 +855,10 @@ def _specialized_kernel(
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
         plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
-        plgpu.copy_gmem_to_smem(sink_ref.at[split, heads], sink_smem.at[wg], sink_bar)
+        plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
         plgpu.barrier_wait(slots_bar)
         plgpu.barrier_wait(sink_bar)
-        acc, m, denom = _open_softmax(sink_smem.at[wg], half)
+        acc, m, denom = _open_softmax(sink_smem.at[wg], half, split)
         for other in range(2):  # QK^T reads both halves of q
             plgpu.barrier_wait(load_barriers.at[3 * other])
 
@@ -950,7 +953,7 @@ def _exchange_kernel(
     q_bar, slots_bar, sink_bar = (load_barriers.at[3 * wg + i] for i in range(3))
     plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
     plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem.at[wg], slots_bar)
-    plgpu.copy_gmem_to_smem(sink_ref.at[split, heads], sink_smem.at[wg], sink_bar)
+    plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
     plgpu.barrier_wait(slots_bar)
     plgpu.barrier_wait(sink_bar)
     plgpu.barrier_wait(q_bar)
@@ -1017,7 +1020,7 @@ def _exchange_kernel(
         return (*attend(chunk, chunk % 2, (acc, m, denom)), raw_next)
 
     first = n_window_chunks + jnp.minimum(k_lo, n_topk_chunks - 1)  # always a real chunk
-    acc0, m0, denom0 = _open_softmax(sink_smem.at[wg], half)
+    acc0, m0, denom0 = _open_softmax(sink_smem.at[wg], half, split)
     if gather == "async":
         dequant.stage(kv_rows, chunk_slots(first), staging.at[wg])
         raw0 = None  # nothing carried: the words wait in shared memory
@@ -1098,7 +1101,9 @@ def fp4_sparse_attention_mgpu(
 
     heads = _round_up(max(n_heads, 1), BLOCK_HEADS)
     q = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, heads - n_heads), (0, 0)))
-    sink = jnp.pad(sink.astype(jnp.float32) * _LOG2E, (0, heads - n_heads), constant_values=-1e30)
+    # The sink as given (no XLA op for 64 heads of float32): the kernel takes it to the log2
+    # domain and keeps it for split 0 (`_open_softmax`).
+    sink = jnp.pad(sink.astype(jnp.float32), (0, heads - n_heads), constant_values=-1e30)
     # Slots: the row of each key slot in its own array, −1 to skip; padded to whole chunks.
     window_slots = jnp.where(window_valid, jnp.arange(n_window, dtype=jnp.int32), -1)
     topk_slots = jnp.where((indices >= 0) & (indices < n_kv), indices, -1).astype(jnp.int32)
@@ -1114,8 +1119,6 @@ def fp4_sparse_attention_mgpu(
         n_sms = 1 if interpret else getattr(jax.devices()[0], "core_count", 1)
         splits = max(1, min(4, n_sms // (batch * heads // BLOCK_HEADS)))
     splits = min(splits, n_window_chunks + n_topk_chunks)
-    # The sink belongs to split 0; −inf elsewhere starts those splits with an empty sum.
-    sink = jnp.stack([sink] + [jnp.full_like(sink, -jnp.inf)] * (splits - 1))
     # A clamped −1 slot still reads row 0: give empty arrays one zero row.
     if n_kv == 0:
         kv_packed = jnp.zeros((batch, 1, geometry.kv_row_bytes), jnp.uint8)
