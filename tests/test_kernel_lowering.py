@@ -175,6 +175,22 @@ def test_the_attention_kernels_leave_one_out_variants_lower(ablation):
         kernel_mgpu.TuningConfig(kernel="specialized", ablation=ablation)
 
 
+@pytest.mark.parametrize(("gather", "topk"), [("registers", 2048), ("async", 1024)])
+def test_the_attention_kernel_fits_the_top_k_its_docstring_names(gather, topk):
+    """`kernel_mgpu.supports`' docstring: shared memory holds every chunk's slots, enough for a
+    top-k of 2,048 (1,024 with the staged gather) beside a window of 128 at D = 512; twice as
+    many is refused by Mosaic GPU's own check, by name."""
+    tuning = kernel_mgpu.TuningConfig(gather=gather)
+    attend = functools.partial(
+        attention_api.fp4_sparse_attention,
+        implementation="pallas",
+        config=attention_api.Config(mgpu=tuning),
+    )
+    lowers_to(attend, *attention_args(64, topk=topk), mosaic_gpu=1)
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lowering.lower_for_gpu(attend, *attention_args(64, topk=2 * topk))
+
+
 ATTENTION_VARIANTS = {
     "exchange": kernel_mgpu.TuningConfig(),
     "prefetch": kernel_mgpu.TuningConfig(prefetch=True),

@@ -199,7 +199,10 @@ HEAD_DIMS = (256, 512)
 def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
     """Whether the kernel takes attention over `kv_fmt` main-KV rows and `window_fmt` window
     rows of `dim` values: NVFP4 main KV, FP8 window, D in `HEAD_DIMS`. Any head count (padded
-    to 64) and any number of keys."""
+    to 64); keys as far as shared memory holds their slots, which a CTA keeps for every chunk
+    of the window and the top-k: at D = 512 with a window of 128, a top-k of 2,048 fits the
+    default kernel and 1,024 the staged gather (`tests/test_kernel_lowering.py`); beyond what
+    fits, Mosaic GPU refuses the kernel while lowering it, naming the bytes."""
     return support(
         "the FP4 sparse-attention Mosaic GPU kernel",
         (kv_fmt == "nvfp4", "kv_fmt", "'nvfp4'", kv_fmt),
