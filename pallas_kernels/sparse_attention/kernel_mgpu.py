@@ -200,8 +200,8 @@ def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
     """Whether the kernel takes attention over `kv_fmt` main-KV rows and `window_fmt` window
     rows of `dim` values: NVFP4 main KV, FP8 window, D in `HEAD_DIMS`. Any head count (padded
     to 64); keys as far as shared memory holds their slots, which a CTA keeps for every chunk
-    of the window and the top-k: at D = 512 with a window of 128, a top-k of 2,048 fits the
-    default kernel and 1,024 the staged gather (`tests/test_kernel_lowering.py`); beyond what
+    of the window and the top-k: at D = 512 with a window of 128, a top-k of 4,096 fits the
+    default kernel and 2,048 the staged gather (`tests/test_kernel_lowering.py`); beyond what
     fits, Mosaic GPU refuses the kernel while lowering it, naming the bytes."""
     return support(
         "the FP4 sparse-attention Mosaic GPU kernel",
@@ -953,9 +953,15 @@ def _exchange_kernel(
     wg = lax.axis_index("wg")
     half = geometry.half
     heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
-    q_bar, slots_bar, sink_bar = (load_barriers.at[3 * wg + i] for i in range(3))
+    q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
+    # One copy of the slots, read by both warpgroups: its shared memory grows with the keys.
+    slots_bar = load_barriers.at[1]
     plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
-    plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem.at[wg], slots_bar)
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
+
     plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
     plgpu.barrier_wait(slots_bar)
     plgpu.barrier_wait(sink_bar)
@@ -965,7 +971,7 @@ def _exchange_kernel(
     dst = k_smem.at[wg]
 
     def chunk_slots(chunk):
-        return slots_smem.at[wg, chunk]
+        return slots_smem.at[chunk]
 
     def attend(chunk, parity, carry):
         """QK^T, the logit exchange, the online softmax and PV for the chunk now in `dst`."""
@@ -1150,8 +1156,9 @@ def fp4_sparse_attention_mgpu(
         interpret=interpret,
     )
     # Shared memory (D = 512, 10 chunks): q 64 KB, then keys 128 KB (two tiles) or keys 64 KB
-    # and the logit exchange 64 KB (the first kernel), the slots 7.5 or 5 KB; the staged
-    # gather's slots 20 KB (the first kernel with gather='async').
+    # and the logit exchange 64 KB (the first kernel), the slots 7.5 or 2.5 KB (the first
+    # kernel's warpgroups read one copy); the staged gather's words 20 KB (the first kernel
+    # with gather='async').
     optional = []  # scratch after the barriers, before P's buffer in the interpreter
     if config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
@@ -1180,7 +1187,7 @@ def fp4_sparse_attention_mgpu(
         middle = [
             plgpu.SMEM((2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
             plgpu.SMEM((2, 2, BLOCK_HEADS, BLOCK_KV), jnp.float32, transforms=_F32_TILE),
-            plgpu.SMEM((2, n_chunks, BLOCK_KV), jnp.int32),
+            plgpu.SMEM((n_chunks, BLOCK_KV), jnp.int32),  # both warpgroups read one copy
         ]
         barriers = [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2)]
         if config.gather == "async":  # `_exchange_kernel`'s optional scratch, first
