@@ -98,9 +98,10 @@ def run(
       kernel_segments: also time the kernel alone with each row split over this many programs
         (`kernel_triton.select(segments=...)`, entries `kernel_{bits}bit_{segments}seg`).
       scores: the kind of random scores (`random_scores`).
-      kernel_row_output: beside each `kernel_segments` entry, the same with every slot of the
-        programs' partitions written (`select(_row_output=True)`, entries `..._rows`): what
-        writing only the first k slots gains or costs.
+      kernel_row_output: each `kernel_segments` entry twice, its programs writing only the
+        first k slots (`select(_row_output=False)`) and every slot of their partitions
+        (`_row_output=True`, entries `..._rows`); without it, the entries take
+        `kernel_triton.default_row_output`.
     """
     out = {
         "device": jax.devices()[0].device_kind,
@@ -149,7 +150,7 @@ def run(
             (
                 f"kernel_{bits}bit_{segments}seg" + "_rows" * rows,
                 {"digit_bits": bits, "segments": segments}
-                | ({"_row_output": True} if rows else {}),
+                | ({"_row_output": rows} if kernel_row_output else {}),
             )
             for bits in digit_bits
             for segments in kernel_segments

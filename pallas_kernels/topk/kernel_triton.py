@@ -27,8 +27,9 @@ What a program does, for its row (the same steps as `radix`, whose docstring arg
    of the k_pad (k to a power of two) slots that leave is written by exactly one lane, and
    each lane masked off (slot ≥ k_pad) has a slot of its own: no ordering between lanes
    matters (the Pallas interpreter reports a masked scatter whose masked lanes share a slot
-   as a race). The caller keeps the first k. Until 2026-12-04 (sixth session) the kernel
-   wrote all n_pad slots, and XLA then copied the first k out (1.5 µs at 16,384 × 64).
+   as a race). The caller keeps the first k. A program over a row of 16,384 scores or more
+   writes all n_pad slots instead, and XLA copies the first k out: on the H200 that was
+   faster there, the masked k slots faster below (`default_row_output`).
 
 `supports` says what it takes; `pallas_kernels.topk.api` (method 'kernel') calls it for rows of
 at most `MAX_N` scores, and through `blocks.topk` (its leaves) for longer ones.
@@ -103,6 +104,16 @@ def supports(
 def default_warps(n_pad: int) -> int:
     """Warps per program by default: about 32 scores per thread, 4 to 32 warps."""
     return int(min(32, max(4, n_pad // 1024)))
+
+
+def default_row_output(n_pad: int) -> bool:
+    """Whether a program over a row of `n_pad` scores writes every slot of its partition (and
+    XLA copies the first k out) rather than only the first k slots, masked. On the H200
+    (2026-12-04, seventh session, `results/bench_topk_h200_2026-12-04_row_output.json`, one
+    process): rows of 16,384 took 28.1 µs writing every slot against 35.1 writing k = 512, and
+    29.0 against 34.8 at k = 2,048; parts of 8,192 (a row split in two) and rows of 4,096 were
+    faster writing k slots (22.1 against 25.4 µs, 10.1 against 12.4)."""
+    return n_pad >= 16_384
 
 
 def default_segments(n_pad: int, k: int) -> int:
@@ -204,7 +215,7 @@ def select(
     interpret: bool = False,
     num_warps: int | None = None,
     segments: int | None = None,
-    _row_output: bool = False,
+    _row_output: bool | None = None,
 ) -> TopK:
     """`scoring.topk(scores, k, tie_order=tie_order)` (no mask, −inf picks dropped) bit for
     bit, one program per row (module docstring) of `num_warps` warps (None: `default_warps`);
@@ -217,8 +228,9 @@ def select(
     (`_segmented`): the same picks, from `segments` times the programs, for batches too small
     to fill the GPU's SMs with one program per row. None: `default_segments`.
 
-    `_row_output` (a measurement aid, same picks): the programs write every slot of their
-    partition, as before 2026-12-04 (sixth session), and XLA copies the first k out.
+    `_row_output` (the same picks either way): True, the programs write every slot of their
+    partition and XLA copies the first k out; False, they write only the first k slots; None,
+    each program by `default_row_output` of its row.
 
     Returns `TopK(indices [..., k] ascending then −1, scores [..., k] float32, −inf at −1)`.
     """
@@ -275,10 +287,13 @@ def _segmented(flat, k: int, tie_order, digit_bits, interpret, program, segments
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _select(flat, k: int, tie_order: str, digit_bits: int, interpret: bool, program: tuple):
     """The kernel over rows [rows, n]: (indices [rows, k], scores [rows, k]). `program`:
-    (warps per program or None for `default_warps`, `row_output`)."""
+    (warps per program or None for `default_warps`, `row_output` or None for
+    `default_row_output`)."""
     warps, row_output = program
     rows, n = flat.shape
     n_pad = pl.next_power_of_2(n)
+    if row_output is None:
+        row_output = default_row_output(n_pad)
     if n_pad != n:
         flat = jnp.pad(flat, ((0, 0), (0, n_pad - n)), constant_values=-jnp.inf)
     kernel = functools.partial(
