@@ -193,7 +193,7 @@ if [[ $stage == row_output ]]; then
     --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == attention_async ]]; then
-  # The seventh session's (CPU only: prepared, not yet run): the attention kernel's staged
+  # The seventh session's (run on 2026-12-04, results/*_attention_async*): the attention kernel's staged
   # gather (`TuningConfig(gather='async')`, cp.async copies of the next top-k chunk) compiled
   # against the definition, then the benchmark at batch 64 and 128 with it and the three
   # leave-one-out variants (top-k rows, their gather alone, their decode alone) beside the
@@ -206,7 +206,7 @@ if [[ $stage == attention_async ]]; then
     --out "$OUT/bench_sparse_attention_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == launch_cuts ]]; then
-  # The seventh session's (CPU only: prepared, not yet run): pooled scoring's kernel reading
+  # The seventh session's (run on 2026-12-04, results/*_launch_cuts*): pooled scoring's kernel reading
   # the weights and the limit from one row, the picks' positions in one gather each, compiled
   # against the definitions (GPU tests of pooled scoring, the empty-pools one included, and
   # of the top-k), then pooled scoring with its top-k at 1 M (`kernels_us`: the small XLA ops

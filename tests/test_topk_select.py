@@ -145,7 +145,7 @@ def test_the_kernel_over_segments_of_a_row_equals_the_definition(tie_order):
 
 @pytest.mark.parametrize("row_output", (True, False))
 def test_both_outputs_of_the_kernel_equal_the_definition(row_output):
-    """The programs writing every slot of their partitions (`_row_output=True`, the default for
+    """The programs writing every slot of their partitions (`row_output=True`, the default for
     rows of 16,384 or more: `default_row_output`) or only the first k, masked (below): the
     same picks, split or not, on rows of every kind."""
     rng = np.random.default_rng([row_output, 19])
@@ -153,7 +153,7 @@ def test_both_outputs_of_the_kernel_equal_the_definition(row_output):
     for k, segments in ((37, 1), (5, 4)):
         got = kernel_triton.select(
             jnp.asarray(scores), k, digit_bits=1, segments=segments, interpret=True,
-            _row_output=row_output,
+            row_output=row_output,
         )  # fmt: skip
         assert_same_picks(got, definition(scores, k, tie_order="oldest"))
     assert kernel_triton.default_row_output(16_384) and not kernel_triton.default_row_output(8_192)

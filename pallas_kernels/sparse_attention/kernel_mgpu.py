@@ -247,7 +247,8 @@ class TuningConfig:
         shared memory with `cp.async` while this chunk's products run, and reads them back
         after waiting for its own copies only (no barrier: no thread reads another's words;
         no registers held across the products, unlike `prefetch`). 20 KB of staging at
-        D = 512. On the GPU tests' list, not yet measured (NOTES.md).
+        D = 512. Correct on the H200 (its 16 GPU tests), but no faster there: 32.8 µs against
+        32.7 at batch 64, 49.7 against 49.1 at 128 (2026-12-04, NOTES.md), so not the default.
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made

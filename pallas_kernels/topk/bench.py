@@ -99,8 +99,8 @@ def run(
         (`kernel_triton.select(segments=...)`, entries `kernel_{bits}bit_{segments}seg`).
       scores: the kind of random scores (`random_scores`).
       kernel_row_output: each `kernel_segments` entry twice, its programs writing only the
-        first k slots (`select(_row_output=False)`) and every slot of their partitions
-        (`_row_output=True`, entries `..._rows`); without it, the entries take
+        first k slots (`select(row_output=False)`) and every slot of their partitions
+        (`row_output=True`, entries `..._rows`); without it, the entries take
         `kernel_triton.default_row_output`.
     """
     out = {
@@ -150,7 +150,7 @@ def run(
             (
                 f"kernel_{bits}bit_{segments}seg" + "_rows" * rows,
                 {"digit_bits": bits, "segments": segments}
-                | ({"_row_output": rows} if kernel_row_output else {}),
+                | ({"row_output": rows} if kernel_row_output else {}),
             )
             for bits in digit_bits
             for segments in kernel_segments

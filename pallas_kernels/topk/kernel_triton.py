@@ -203,7 +203,7 @@ def _kernel(scores_ref, indices_ref, values_ref, *, k, n_pad, tie_order, digit_b
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "k", "tie_order", "digit_bits", "interpret", "num_warps", "segments", "_row_output"
+        "k", "tie_order", "digit_bits", "interpret", "num_warps", "segments", "row_output"
     ),
 )  # fmt: skip
 def select(
@@ -215,7 +215,7 @@ def select(
     interpret: bool = False,
     num_warps: int | None = None,
     segments: int | None = None,
-    _row_output: bool | None = None,
+    row_output: bool | None = None,
 ) -> TopK:
     """`scoring.topk(scores, k, tie_order=tie_order)` (no mask, −inf picks dropped) bit for
     bit, one program per row (module docstring) of `num_warps` warps (None: `default_warps`);
@@ -228,7 +228,7 @@ def select(
     (`_segmented`): the same picks, from `segments` times the programs, for batches too small
     to fill the GPU's SMs with one program per row. None: `default_segments`.
 
-    `_row_output` (the same picks either way): True, the programs write every slot of their
+    `row_output` (the same picks either way): True, the programs write every slot of their
     partition and XLA copies the first k out; False, they write only the first k slots; None,
     each program by `default_row_output` of its row.
 
@@ -246,7 +246,7 @@ def select(
     if rows == 0:  # no program to run (a grid of 0 is not a call)
         return TopK(jnp.zeros((*batch, k), jnp.int32), jnp.zeros((*batch, k), jnp.float32))
     flat = scores.astype(jnp.float32).reshape(rows, n)
-    program = (num_warps, _row_output)
+    program = (num_warps, row_output)
     if segments > 1:
         indices, values = _segmented(flat, k, tie_order, digit_bits, interpret, program, segments)
     else:
