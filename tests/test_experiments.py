@@ -983,3 +983,14 @@ def test_the_targets_table_reads_each_target_from_its_report_and_says_whether_it
     assert table.count("| no attention report given | — | — |") == 2, table
     with pytest.raises(ValueError, match=r"paths: .*other\.json is not a source-scan"):
         bench_tables.targets([{"contexts": {}}], [tmp_path / "other.json"])
+    # A combined run's parts count as the reports they are: here its scan (met) comes after
+    # the slower one, and its attention part is read.
+    attention = {"results": [], "speedups": {}}
+    combined = {"copy": {}, "source_scan": scan, "sparse_attention": attention}
+    paths = [*paths[1:], tmp_path / "combined.json"]
+    table = bench_tables.targets([slower, pooled, decode, combined], paths)
+    assert "| 30.0× (route 2.400 ms against 72.000 ms) | yes | `combined.json` |" in table, table
+    assert table.count("| — | — | `combined.json` |") == 2, table  # no attention entries
+    assert "`pooled.json`" in table and "`slower.json`" not in table, table
+    with pytest.raises(ValueError, match=r"paths: .*other\.json is not a source-scan"):
+        bench_tables.targets([{"copy": {}, "source_scan": {}}], [tmp_path / "other.json"])
