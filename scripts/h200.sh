@@ -9,7 +9,7 @@
 #                                   # early_exit_tests | early_exit_bench (the fifth session's)
 #                                   # segments | segments_tune | two_loops | row_output
 #                                   # (the sixth session's) | attention_async |
-#                                   # launch_cuts (the seventh's)
+#                                   # launch_cuts (the seventh's) | row_default (the eighth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -215,6 +215,20 @@ if [[ $stage == launch_cuts ]]; then
     tests/test_topk_select.py 2>&1 | tee "$OUT/gpu_tests_kernels.log" | tail -12 || status=1
   timeout -s INT 140 "$PY" -m pallas_kernels.pooled_scoring.bench --contexts 1048576 \
     --datasets 2 --out "$OUT/bench_pooled_scoring_h200.json" >/dev/null || status=1
+  timeout -s INT 180 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
+    --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
+fi
+if [[ $stage == row_default ]]; then
+  # The eighth session's: the top-k kernel at `default_row_output` (every slot written for rows
+  # of 16,384 or more), compiled against the definition (its GPU tests), the top-k benchmark at
+  # the route's and the pool's shapes with the default outputs, then the source scan's route at
+  # 1 M, whose two leaves (2,048 of 16,384) it should speed up. Guards total 500 s.
+  timeout -s INT 200 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_topk_select.py \
+    2>&1 | tee "$OUT/gpu_tests_topk.log" | tail -12 || status=1
+  timeout -s INT 120 "$PY" -m pallas_kernels.topk.bench --iterations 10 --datasets 2 \
+    --digit-bits 1 --kernel-segments 1 2 \
+    --shapes pool_slots source_block_leaves source_own_slots \
+    --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
   timeout -s INT 180 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
     --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
 fi
