@@ -8,11 +8,12 @@ fresh random data).
     PYTHONPATH=. python3 experiments/bench_kernels.py --out experiments/results/bench_kernels.json \
         --parts topk source_scan --resume
 
-The whole run is more than one device call's 10 minutes on the H200 (2026-12-04: the ceilings,
-pooled scoring, attention and part of the top-k took 570 s; the top-k and the source scan 4
-minutes in the next call): `--parts` splits it, `--resume` adds parts to the report at `--out`
-(`scripts/h200.sh bench`, then `bench_rest`). The JSON is written after every timing;
-BENCHMARKS.md is the table written from it.
+The whole run was more than one device call's 10 minutes on the H200 (2026-12-04: the
+ceilings, pooled scoring, attention and part of the top-k took 570 s; the top-k and the source
+scan 4 minutes in the next call; on 2026-12-05, at 1367020, 89 s and 142 s): `--parts`
+splits it, `--resume` adds parts to the report at `--out` (`scripts/h200.sh bench`, then
+`bench_rest`). The JSON is written after every timing; BENCHMARKS.md is the table written
+from it.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ if [[ $stage == all || $stage == tests ]]; then
   "$PY" -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >>"$OUT/gpu_tests.log"
 fi
-# The kernel benchmark is more than one call's 10 minutes: `bench` (ceilings, pooled scoring,
-# attention: under the 570 s that they and part of the top-k took on 2026-12-04), then
-# `bench_rest` (top-k, source scan: 243 s that day) in the next call,
+# The kernel benchmark was more than one call's 10 minutes on 2026-12-04: `bench` (ceilings,
+# pooled scoring, attention: under the 570 s that they and part of the top-k took that day; 89 s
+# on 2026-12-05), then `bench_rest` (top-k, source scan: 243 s, then 142 s) in the next call,
 # which adds them to the report the first left on this machine (runs/, kept while it stays warm;
 # REPORT=a committed bench_kernels JSON resumes that one instead).
 bench_report=runs/bench_kernels_h200.json
