@@ -47,7 +47,7 @@ def random_inputs(key, *, batch: int, n_pos: int, n_heads: int, dim: int):
     return k_packed, q, weights, jnp.full((batch,), n_pos, jnp.int32)
 
 
-def _random_inputs(key, *, batch, n_pos, n_heads, dim, n_blocks):
+def random_pool_inputs(key, *, batch, n_pos, n_heads, dim, n_blocks):
     """`random_inputs` and ascending distinct block ids (a random subset of the cache's
     blocks): (k_packed, q, weights, block ids, lengths)."""
     k_packed, q, weights, lengths = random_inputs(
@@ -115,7 +115,7 @@ def run(
         out["contexts"][str(n_pos)] = entry
         try:
             datasets = [
-                _random_inputs(
+                random_pool_inputs(
                     jax.random.key(1000 * n_pos + i),
                     batch=batch,
                     n_pos=n_pos,

@@ -104,7 +104,7 @@ def unpacked_caches(
     )
 
 
-def _inputs(key, batch, heads, dim, n_kv, topk, window):
+def random_inputs(key, batch, heads, dim, n_kv, topk, window):
     """Fresh random inputs: normal q and caches packed on device, distinct random indices with
     a few −1 holes, ~90% valid window slots, normal sinks."""
     kq, kkv, kw, ki, kv_, ks = jax.random.split(key, 6)
@@ -162,7 +162,7 @@ def run(
     )
     results = []
     for i, batch in enumerate(batches):
-        args = _inputs(jax.random.key(seed + i), batch, heads, dim, n_kv, topk, window)
+        args = random_inputs(jax.random.key(seed + i), batch, heads, dim, n_kv, topk, window)
         q, kv_packed, indices, window_packed, window_valid, sink = args
         reference = jax.jit(packed_sparse_attention)(*args)
         kv_bf16, window_bf16 = unpacked_caches(kv_packed, window_packed, dim)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The project's Mosaic GPU kernels under Nsight Compute (run through the device tool from the
+# repository root, with $OUT set). Hardware counters need a Firecracker machine: the one-GPU
+# H100 kind (`nvidia-h100-x1`); the H200's gVisor refuses them (the device library's KINDS.md).
+#   bash scripts/ncu.sh                        # every profile below
+#   bash scripts/ncu.sh attention_b128 scan    # some of them
+# Per profile: $OUT/<name>.ncu-rep (open it in the Nsight Compute UI), <name>_details.txt (every
+# section: throughput, memory, warp states and their stall reasons, occupancy) and
+# <name>_sass.csv (the SASS, each instruction with its warp-state samples). The second launch of
+# the kernel is profiled (the first compiles it); clocks are left alone (`--clock-control none`).
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:?set OUT to the folder the results go to}
+PY=${PYTHON:-python3}
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+[[ -x $NCU ]] || { echo "ncu: not found" >&2; exit 1; }
+"$NCU" --version | tail -1
+
+declare -A PROFILES=(
+  [attention_b128]="attention --batch 128"
+  [attention_b64]="attention --batch 64"
+  [attention_b128_no_topk_rows]="attention --batch 128 --variant no_topk_rows"
+  [pooled]="pooled"
+  [scan]="scan"
+)
+names=("$@")
+[[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_no_topk_rows pooled scan)
+status=0
+for name in "${names[@]}"; do
+  args=${PROFILES[$name]:-}
+  [[ -n $args ]] || { echo "unknown profile $name: one of ${!PROFILES[*]}" >&2; status=1; continue; }
+  echo "== $name: python -m pallas_kernels.profile $args"
+  start=$SECONDS
+  # shellcheck disable=SC2086
+  "$NCU" --clock-control none --target-processes all --kernel-name regex:mosaic \
+    --launch-skip 1 --launch-count 1 --set full --import-source no -f -o "$OUT/$name" \
+    "$PY" -m pallas_kernels.profile $args >"$OUT/${name}_run.log" 2>&1 || status=1
+  tail -3 "$OUT/${name}_run.log"
+  if [[ -f $OUT/$name.ncu-rep ]]; then
+    "$NCU" -i "$OUT/$name.ncu-rep" --page details >"$OUT/${name}_details.txt" 2>&1 || status=1
+    "$NCU" -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass \
+      >"$OUT/${name}_sass.csv" 2>&1 || status=1
+    grep -E "Duration|Registers Per|Stall|Issue Slots|Warp Cycles Per Issued|Achieved Occ" \
+      "$OUT/${name}_details.txt" | head -20
+  fi
+  echo "== $name: $((SECONDS - start)) s"
+done
+exit $status
