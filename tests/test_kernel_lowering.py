@@ -195,6 +195,7 @@ ATTENTION_VARIANTS = {
     "exchange": kernel_mgpu.TuningConfig(),
     "prefetch": kernel_mgpu.TuningConfig(prefetch=True),
     "async_gather": kernel_mgpu.TuningConfig(gather="async"),
+    "q_overlap": kernel_mgpu.TuningConfig(q_overlap=True),
     "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
     "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),

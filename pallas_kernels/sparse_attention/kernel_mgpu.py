@@ -249,6 +249,10 @@ class TuningConfig:
         no registers held across the products, unlike `prefetch`). 20 KB of staging at
         D = 512. Correct on the H200 (its 16 GPU tests), but no faster there: 32.8 µs against
         32.7 at batch 64, 49.7 against 49.1 at 128 (2026-12-04, NOTES.md), so not the default.
+      q_overlap: ('exchange' only) wait for q's copy into shared memory only before the first
+        QK^T, so that the first chunk's gather and decode run while q arrives (64 KB per CTA
+        at D = 512; when every CTA starts at once, the q of a batch of 128 is 8 MB, about
+        2 µs at the copy ceiling). Off by default until the H200 has timed it.
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
@@ -264,6 +268,7 @@ class TuningConfig:
     prefetch: bool = False
     gather: str = "registers"
     splits: int | None = None
+    q_overlap: bool = False
     ablation: str | None = None
 
     def __post_init__(self):
@@ -280,6 +285,8 @@ class TuningConfig:
                 "gather: 'async' only with kernel='exchange' and prefetch=False, got "
                 f"kernel={self.kernel!r}, prefetch={self.prefetch}"
             )
+        if self.q_overlap and self.kernel != "exchange":
+            raise ValueError(f"q_overlap: only with kernel='exchange', got kernel={self.kernel!r}")
         if self.kernel not in ("specialized", "exchange"):
             raise ValueError(f"kernel: expected 'specialized' or 'exchange', got {self.kernel!r}")
         if self.dequant not in ("ptx", "jnp"):
@@ -935,6 +942,7 @@ def _exchange_kernel(
     prefetch: bool,
     gather: str,
     interpret: bool,
+    q_overlap: bool = False,
     ablation: str | None = None,
 ):
     """The default kernel (`TuningConfig(kernel='exchange')`, the module docstring's design):
@@ -945,7 +953,8 @@ def _exchange_kernel(
 
     With gather='async' the first top-k chunk's copies start before the window's chunks, and
     each top-k chunk starts the next one's after its decode (`_fp4_stage`): the copies fly
-    while the chunk's products run."""
+    while the chunk's products run. With q_overlap, q's copy is awaited only before the
+    split's first QK^T, after its first chunk's gather and decode."""
     optional = list(optional)
     staging = optional.pop(0) if gather == "async" else None
     p_smem = optional.pop(0) if interpret else None
@@ -966,7 +975,8 @@ def _exchange_kernel(
     plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
     plgpu.barrier_wait(slots_bar)
     plgpu.barrier_wait(sink_bar)
-    plgpu.barrier_wait(q_bar)
+    if not q_overlap:
+        plgpu.barrier_wait(q_bar)
 
     kv_rows, win_rows = kv_ref.at[b], win_ref.at[b]
     dst = k_smem.at[wg]
@@ -977,6 +987,12 @@ def _exchange_kernel(
     def attend(chunk, parity, carry):
         """QK^T, the logit exchange, the online softmax and PV for the chunk now in `dst`."""
         acc, m, denom = carry
+        if q_overlap:
+
+            @pl.when(chunk == lo)  # the split's first chunk: q's copy has not been awaited
+            def _():
+                plgpu.barrier_wait(q_bar)
+
         plgpu.commit_smem()  # the tile was written by ordinary stores; wgmma reads it async
 
         def qk(acc_ref):
@@ -1181,6 +1197,7 @@ def fp4_sparse_attention_mgpu(
             dequant=make_dequant(geometry),
             prefetch=config.prefetch,
             gather=config.gather,
+            q_overlap=config.q_overlap,
             ablation=config.ablation,
             **statics,
         )
