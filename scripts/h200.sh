@@ -10,6 +10,7 @@
 #                                   # segments | segments_tune | two_loops | row_output
 #                                   # (the sixth session's) | attention_async |
 #                                   # launch_cuts (the seventh's) | row_default (the eighth's)
+#                                   # | q_overlap (the ninth's; scripts/ncu.sh: its profiles)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -231,6 +232,17 @@ if [[ $stage == row_default ]]; then
     --out "$OUT/bench_topk_h200.json" >/dev/null || status=1
   timeout -s INT 180 "$PY" -m pallas_kernels.source_scan.bench --contexts 1048576 --datasets 1 \
     --out "$OUT/bench_source_scan_h200.json" >/dev/null || status=1
+fi
+if [[ $stage == q_overlap ]]; then
+  # The ninth session's (prepared without a GPU, not yet run): the attention kernel awaiting q's
+  # copy only before each split's first QK^T (`TuningConfig(q_overlap=True)`), compiled against
+  # the definition, then the benchmark at batch 64 and 128 beside the default. Guards total
+  # 420 s.
+  timeout -s INT 200 "$PY" -m pytest -m gpu -v -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "q_overlap or test_matches_reference_gpu" 2>&1 \
+    | tee "$OUT/gpu_tests_attention.log" | tail -12 || status=1
+  timeout -s INT 220 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --variants q_overlap --out "$OUT/bench_sparse_attention_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took
