@@ -235,14 +235,17 @@ if [[ $stage == row_default ]]; then
 fi
 if [[ $stage == q_overlap ]]; then
   # The ninth session's (prepared without a GPU, not yet run): the attention kernel awaiting q's
-  # copy only before each split's first QK^T (`TuningConfig(q_overlap=True)`), compiled against
-  # the definition, then the benchmark at batch 64 and 128 beside the default. Guards total
-  # 420 s.
-  timeout -s INT 200 "$PY" -m pytest -m gpu -v -p no:cacheprovider \
-    tests/test_sparse_attention_kernel.py -k "q_overlap or test_matches_reference_gpu" 2>&1 \
+  # copy only before each split's first QK^T (`TuningConfig(q_overlap=True)`) and loading the
+  # next top-k chunk's words behind PV (`gather='behind_pv'`), compiled against the definition
+  # (with `prefetch`, which had no GPU test), then the benchmark at batch 64 and 128 beside the
+  # default. Guards total 500 s.
+  timeout -s INT 260 "$PY" -m pytest -m gpu -v -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py \
+    -k "q_overlap or carried or test_matches_reference_gpu" 2>&1 \
     | tee "$OUT/gpu_tests_attention.log" | tail -12 || status=1
-  timeout -s INT 220 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
-    --variants q_overlap --out "$OUT/bench_sparse_attention_h200.json" >/dev/null || status=1
+  timeout -s INT 240 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --variants q_overlap behind_pv behind_pv_q_overlap \
+    --out "$OUT/bench_sparse_attention_h200.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

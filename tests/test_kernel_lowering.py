@@ -196,6 +196,7 @@ ATTENTION_VARIANTS = {
     "prefetch": kernel_mgpu.TuningConfig(prefetch=True),
     "async_gather": kernel_mgpu.TuningConfig(gather="async"),
     "q_overlap": kernel_mgpu.TuningConfig(q_overlap=True),
+    "behind_pv": kernel_mgpu.TuningConfig(gather="behind_pv"),
     "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
     "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),

@@ -266,6 +266,41 @@ def test_async_gather_matches_reference_gpu(case, splits):
     check_variant_compiled(kernel_mgpu.TuningConfig(gather="async", splits=splits), case, 10)
 
 
+CARRYING_VARIANTS = {
+    "prefetch": kernel_mgpu.TuningConfig(prefetch=True),
+    "behind_pv": kernel_mgpu.TuningConfig(gather="behind_pv"),
+}
+"""Variants that load a top-k chunk's words one step ahead and carry them into the next."""
+
+
+@pytest.mark.parametrize("splits", (None, 2))
+@pytest.mark.parametrize("variant", CARRYING_VARIANTS)
+def test_words_carried_to_the_next_chunk_are_that_chunks(variant, splits):
+    """`prefetch` and `gather='behind_pv'` load the next top-k chunk's words before its step
+    (the window's chunks load the first one's). The interpreter's decode reads the words it is
+    carried, not the rows (`_jnp_dequant`), so a step that carried another chunk's words, or
+    a split that started from the wrong first chunk, fails here."""
+    tuning = dataclasses.replace(CARRYING_VARIANTS[variant], splits=splits)
+    for case in ("ragged", "no_window", "dim512", "empty_row"):
+        args = make_case(15, **CPU_CASES[case])
+        out = attention_fn("mgpu", config=api.Config(mgpu=tuning))(*args)
+        assert rel_err(out, _reference(*args)) <= 1e-2
+        if CPU_CASES[case].get("empty_row"):
+            assert np.all(np.asarray(out[0]) == 0)
+        assert_no_races("mgpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
+@pytest.mark.parametrize("splits", (None, 2))
+@pytest.mark.parametrize("variant", CARRYING_VARIANTS)
+def test_words_carried_to_the_next_chunk_are_that_chunks_gpu(variant, splits, case):
+    """The same, compiled (the PTX gather's words, in registers across the step)."""
+    tuning = dataclasses.replace(CARRYING_VARIANTS[variant], splits=splits)
+    check_variant_compiled(tuning, case, 16)
+
+
 @pytest.mark.parametrize("splits", (None, 3))
 def test_q_overlap_matches_reference(splits):
     """`TuningConfig(q_overlap=True)`: q's copy awaited only before each split's first QK^T.
@@ -296,6 +331,8 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(gather="async", kernel="specialized")
     with pytest.raises(ValueError, match="prefetch=True"):
         kernel_mgpu.TuningConfig(gather="async", prefetch=True)
+    with pytest.raises(ValueError, match="gather: 'behind_pv' only with kernel='exchange'"):
+        kernel_mgpu.TuningConfig(gather="behind_pv", prefetch=True)
     with pytest.raises(ValueError, match="q_overlap: only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(q_overlap=True, kernel="specialized")
     with pytest.raises(ValueError, match="ablation"):

@@ -44,15 +44,17 @@ MGPU_VARIANTS = {
     "splits1": kernel_mgpu.TuningConfig(splits=1),
     "async_gather": kernel_mgpu.TuningConfig(gather="async"),
     "q_overlap": kernel_mgpu.TuningConfig(q_overlap=True),
+    "behind_pv": kernel_mgpu.TuningConfig(gather="behind_pv"),
+    "behind_pv_q_overlap": kernel_mgpu.TuningConfig(gather="behind_pv", q_overlap=True),
     "no_topk_rows": kernel_mgpu.TuningConfig(ablation="no_topk_rows"),
     "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
     "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
 }
 """Mosaic GPU configurations the command line can add by label (`--variants`): the
 warp-specialized kernel, split-KV off, the staged gather (`cp.async`), q awaited at the first
-product, and the default kernel without the top-k rows' gather and decode, without the gather
-alone, or without the decode alone (leave-one-out timings: their outputs are wrong, their
-`rel_err` large)."""
+product, the next chunk's loads behind PV (alone and with q awaited late), and the default kernel
+without the top-k rows' gather and decode, without the gather alone, or without the decode alone
+(leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
 
 
 def bf16_cache_attention(

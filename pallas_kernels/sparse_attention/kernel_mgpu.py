@@ -7,7 +7,8 @@ query's FP8 window rows first, then the compressed rows its top-k selects. Warpg
 
 1. each thread gathers its share of the chunk's packed rows straight from HBM with vector loads
    (Hopper has no TMA gather; `TuningConfig.prefetch` loads the next chunk's rows ahead into
-   registers, `TuningConfig(gather='async')` copies them ahead into shared memory), decodes
+   registers, `TuningConfig(gather='behind_pv')` the same but only during PV,
+   `TuningConfig(gather='async')` copies them ahead into shared memory), decodes
    E2M1 × E4M3 (window: E4M3 × UE8M0) to bf16 in registers and stores the tile into 128-byte
    swizzled shared memory; a −1 slot is decoded from zeroed bytes, so it holds exact zeros;
 2. a partial QK^T over its half of D (wgmma 64×64×D/2); the two partial logit tiles are summed
@@ -214,7 +215,7 @@ def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
 ABLATIONS = ("no_topk_rows", "no_topk_gather", "no_topk_decode")
 """`TuningConfig.ablation`'s measurement aids (wrong results, timings only)."""
 
-GATHERS = ("registers", "async")
+GATHERS = ("registers", "async", "behind_pv")
 """`TuningConfig.gather`: how a top-k chunk's packed rows reach the decode."""
 
 
@@ -249,6 +250,11 @@ class TuningConfig:
         no registers held across the products, unlike `prefetch`). 20 KB of staging at
         D = 512. Correct on the H200 (its 16 GPU tests), but no faster there: 32.8 µs against
         32.7 at batch 64, 49.7 against 49.1 at 128 (2026-12-04, NOTES.md), so not the default.
+        'behind_pv': each thread loads the next top-k chunk's words into registers after this
+        chunk's softmax, just before its PV, so the loads fly while PV runs and the registers
+        are held during PV only (`prefetch` held them across the whole chunk and spilled); the
+        window's chunks load the first top-k chunk's words the same way. Correct in the
+        interpreter (whose decode reads the words carried); not yet timed on the H200.
       q_overlap: ('exchange' only) wait for q's copy into shared memory only before the first
         QK^T, so that the first chunk's gather and decode run while q arrives (64 KB per CTA
         at D = 512; when every CTA starts at once, the q of a batch of 128 is 8 MB, about
@@ -280,9 +286,9 @@ class TuningConfig:
             raise ValueError(f"ablation: only with kernel='exchange', got kernel={self.kernel!r}")
         if self.gather not in GATHERS:
             raise ValueError(f"gather: expected one of {GATHERS}, got {self.gather!r}")
-        if self.gather == "async" and (self.kernel != "exchange" or self.prefetch):
+        if self.gather != "registers" and (self.kernel != "exchange" or self.prefetch):
             raise ValueError(
-                "gather: 'async' only with kernel='exchange' and prefetch=False, got "
+                f"gather: {self.gather!r} only with kernel='exchange' and prefetch=False, got "
                 f"kernel={self.kernel!r}, prefetch={self.prefetch}"
             )
         if self.q_overlap and self.kernel != "exchange":
@@ -677,19 +683,43 @@ def _ptx_dequant(
 
 def _jnp_dequant(geometry: _Geometry, half: int | None = None) -> _Dequant:
     """The interpret-mode stand-in: gather whole rows and unpack them with `formats.unpack`;
-    the staged gather's copies are the gather itself (`stage` and `drain` do nothing)."""
+    the staged gather's copies are the gather itself (`stage` and `drain` do nothing).
+
+    A top-k chunk's `load` gathers its words as the GPU path does (as many, all zero for a −1
+    slot, in another order) and `store` decodes the words it is given, not the rows: so the
+    interpreter checks which chunk's words each step of a variant carries (`prefetch`,
+    `gather='behind_pv'`). The words of one half of D are the rows' nibbles of those dims, then
+    their scale bytes: an NVFP4 row of D/2 values (`formats.pack`'s layout)."""
+    g = geometry
+
+    def part():
+        return lax.axis_index("wg") if half is None else half
 
     def decode(rows_ref, slots_ref, dst_ref, fmt):
         slots = slots_ref[...]
         rows = jnp.take(rows_ref[...], jnp.maximum(slots, 0), axis=0)
-        values = jnp.where(slots[:, None] >= 0, formats.unpack(rows, fmt, geometry.dim), 0.0)
-        part = lax.axis_index("wg") if half is None else half
-        values = lax.dynamic_slice_in_dim(values, part * geometry.half, geometry.half, axis=1)
+        values = jnp.where(slots[:, None] >= 0, formats.unpack(rows, fmt, g.dim), 0.0)
+        values = lax.dynamic_slice_in_dim(values, part() * g.half, g.half, axis=1)
+        dst_ref[...] = values.astype(jnp.bfloat16)
+
+    def load(rows_ref, slots_ref):
+        slots = slots_ref[...]
+        rows = jnp.take(rows_ref[...], jnp.maximum(slots, 0), axis=0)
+        rows = jnp.where(slots[:, None] >= 0, rows, 0)
+        nibbles = lax.dynamic_slice_in_dim(rows, part() * g.half // 2, g.half // 2, axis=1)
+        scales = lax.dynamic_slice_in_dim(rows, g.dim // 2 + part() * g.half // 16, g.half // 16, 1)
+        half_rows = jnp.concatenate([nibbles, scales], axis=1)
+        words = lax.bitcast_convert_type(half_rows.reshape(BLOCK_KV, -1, 4), jnp.int32)
+        return words.reshape(WARPGROUP * g.fp4_words)
+
+    def store(raw, dst_ref):
+        half_rows = lax.bitcast_convert_type(raw.reshape(BLOCK_KV, -1), jnp.uint8)
+        values = formats.unpack(half_rows.reshape(BLOCK_KV, -1), "nvfp4", g.half)
         dst_ref[...] = values.astype(jnp.bfloat16)
 
     return _Dequant(
-        load=lambda rows, slots: jnp.zeros((WARPGROUP * geometry.fp4_words,), jnp.int32),
-        store=lambda raw, dst, rows, slots: decode(rows, slots, dst, "nvfp4"),
+        load=load,
+        store=lambda raw, dst, rows, slots: store(raw, dst),
         window=lambda rows, slots, dst: decode(rows, slots, dst, "fp8"),
         stage=lambda rows, slots, staging: None,
         store_staged=lambda staging, dst, rows, slots: decode(rows, slots, dst, "nvfp4"),
@@ -984,8 +1014,9 @@ def _exchange_kernel(
     def chunk_slots(chunk):
         return slots_smem.at[chunk]
 
-    def attend(chunk, parity, carry):
-        """QK^T, the logit exchange, the online softmax and PV for the chunk now in `dst`."""
+    def attend(chunk, parity, carry, before_pv=None):
+        """QK^T, the logit exchange, the online softmax and PV for the chunk now in `dst`:
+        (acc, m, denom, what `before_pv()` returned, called between the softmax and PV)."""
         acc, m, denom = carry
         if q_overlap:
 
@@ -1008,18 +1039,21 @@ def _exchange_kernel(
         s_other = plgpu.load(s_smem.at[parity, 1 - wg], layout=plgpu.Layout.WGMMA)
         s = s_own + s_other  # a + b == b + a: both warpgroups get the same logits
         p16, acc, m, denom = _softmax_step(s, chunk_slots(chunk), acc, m, denom, logit_scale)
+        extra = before_pv() if before_pv else None  # e.g. loads that fly while PV runs
         if interpret:
-            return _pv_in_interpreter(acc, p16, p_smem.at[wg], dst), m, denom
+            return _pv_in_interpreter(acc, p16, p_smem.at[wg], dst), m, denom, extra
 
         def pv(acc_ref):  # accumulates onto acc in place; run_state awaits it on exit
             plgpu.wgmma(acc_ref, p16, dst)
 
-        return pl.run_state(pv)(plgpu.ACC.init(acc)), m, denom
+        return pl.run_state(pv)(plgpu.ACC.init(acc)), m, denom, extra
 
     def window_step(c, carry):
         dequant.window(win_rows, chunk_slots(c), dst)
         acc, m, denom, raw = carry
-        return (*attend(c, c % 2, (acc, m, denom)), raw)
+        if gather == "behind_pv":  # the first top-k chunk's words, loaded behind this PV
+            return attend(c, c % 2, (acc, m, denom), lambda: dequant.load(kv_rows, first_slots))
+        return (*attend(c, c % 2, (acc, m, denom))[:3], raw)
 
     # The split's chunks [lo, hi) as a window range and a top-k range; consecutive chunks
     # alternate parity across the two loops.
@@ -1033,25 +1067,30 @@ def _exchange_kernel(
         chunk = n_window_chunks + c
         nxt = n_window_chunks + jnp.minimum(c + 1, k_hi - 1)
         if ablation == "no_topk_rows":  # TuningConfig.ablation: no gather, no decode
-            return (*attend(chunk, chunk % 2, (acc, m, denom)), raw)
+            return (*attend(chunk, chunk % 2, (acc, m, denom))[:3], raw)
         if gather == "async":  # this chunk's words are staged; stage the next one's
             dequant.store_staged(staging.at[wg], dst, kv_rows, chunk_slots(chunk))
             dequant.stage(kv_rows, chunk_slots(nxt), staging.at[wg])
-            return (*attend(chunk, chunk % 2, (acc, m, denom)), raw)
+            return (*attend(chunk, chunk % 2, (acc, m, denom))[:3], raw)
+        if gather == "behind_pv":  # this chunk's words came behind the last PV; load the next
+            dequant.store(raw, dst, kv_rows, chunk_slots(chunk))
+            next_words = functools.partial(dequant.load, kv_rows, chunk_slots(nxt))
+            return attend(chunk, chunk % 2, (acc, m, denom), next_words)
         if prefetch:
             raw_next = dequant.load(kv_rows, chunk_slots(nxt))
         else:
             raw = raw_next = dequant.load(kv_rows, chunk_slots(chunk))
         dequant.store(raw, dst, kv_rows, chunk_slots(chunk))
-        return (*attend(chunk, chunk % 2, (acc, m, denom)), raw_next)
+        return (*attend(chunk, chunk % 2, (acc, m, denom))[:3], raw_next)
 
     first = n_window_chunks + jnp.minimum(k_lo, n_topk_chunks - 1)  # always a real chunk
+    first_slots = chunk_slots(first)
     acc0, m0, denom0 = _open_softmax(sink_smem.at[wg], half, split)
     if gather == "async":
         dequant.stage(kv_rows, chunk_slots(first), staging.at[wg])
         raw0 = None  # nothing carried: the words wait in shared memory
     else:
-        raw0 = dequant.load(kv_rows, chunk_slots(first))
+        raw0 = dequant.load(kv_rows, first_slots)
     carry = lax.fori_loop(w_lo, w_hi, window_step, (acc0, m0, denom0, raw0))
     acc, m, denom, _ = lax.fori_loop(k_lo, k_hi, topk_step, carry)
     if gather == "async":
