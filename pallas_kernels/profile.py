@@ -71,7 +71,8 @@ def scan(batch: int, calls: int, n_pos: int = 262144) -> None:
         jax.block_until_ready(fn(k_packed, q, weights, lengths=lengths))
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (`scripts/ncu.sh`'s profiles are command lines of this)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", choices=TARGETS)
     parser.add_argument("--batch", type=int, default=None, help="default: 128 attention, 64 else")
@@ -80,10 +81,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error(f"--calls: expected >= 1, got {args.calls}")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch: expected >= 1, got {args.batch}")
+    variants = ("default", *attention_bench.MGPU_VARIANTS)
+    if args.target == "attention" and args.variant not in variants:
+        parser.error(f"--variant: expected one of {variants}, got {args.variant!r}")
+    if args.target != "attention" and args.variant != "default":
+        parser.error(f"--variant: only for 'attention', got {args.variant!r} for {args.target!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     if args.target == "attention":
         attention(args.batch or 128, args.variant, args.calls)
-    elif args.variant != "default":
-        parser.error(f"--variant: only for 'attention', got {args.variant!r} for {args.target!r}")
     elif args.target == "pooled":
         pooled(args.batch or 64, args.calls)
     else:

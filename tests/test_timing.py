@@ -89,3 +89,29 @@ def test_a_conditional_branch_is_timed_gpu():
     assert got["runs"] == 3
     assert any("sort" in k["name"] and k["ms"] > 0 for k in got["kernels"]), got["kernels"]
     assert float(out[0]) == float(x.max())
+
+
+def test_every_profile_of_ncu_sh_is_a_command_line_the_profiler_driver_takes(capsys):
+    """`scripts/ncu.sh` names its profiles as `pallas_kernels.profile` command lines: each one
+    parses (target, attention variant), and a wrong one is refused by name."""
+    import re
+    from pathlib import Path
+
+    from pallas_kernels import profile
+
+    script = (Path(__file__).resolve().parent.parent / "scripts" / "ncu.sh").read_text()
+    entries = dict(re.findall(r'^\s+\[(\w+)\]="([^"]*)"$', script, re.MULTILINE))
+    assert {"attention_b128", "pooled", "scan"} <= set(entries), entries
+    for name, command in entries.items():
+        args = profile.parse(command.split())
+        assert args.target in profile.TARGETS and name.startswith(args.target), (name, command)
+    default_names = re.search(r"names=\((attention_b128[^)]*)\)", script).group(1).split()
+    assert set(default_names) == set(entries)
+    for bad, message in (
+        (["attention", "--variant", "fastest"], "--variant: expected one of"),
+        (["scan", "--variant", "behind_pv"], "--variant: only for 'attention'"),
+        (["pooled", "--calls", "0"], "--calls: expected >= 1, got 0"),
+    ):
+        with pytest.raises(SystemExit):
+            profile.parse(bad)
+        assert message in capsys.readouterr().err
