@@ -237,8 +237,9 @@ class TuningConfig:
       prefetch: ('exchange' only) load the packed rows of the next top-k chunk while this
         one computes. Off by default: on the H200 (2026-11-29) it cost 1.6 µs at batch 64 and
         2.7 µs at 128, presumably through its 18 extra live registers (ptxas already reported
-        255 registers and 152 bytes of spills with it). Checked against the definition in the
-        interpreter and on the GPU since 2026-12-05 (it had been timed, never tested).
+        255 registers and 152 bytes of spills with it). It had been timed, never tested: since
+        2026-12-05 the interpreter checks it against the definition, and a GPU test (not yet
+        run) does the same compiled.
       splits: CTAs per (query, 64 heads), each over a contiguous share of the key chunks, their
         partial outputs merged by log-sum-exp in XLA (split-KV, as flash-decoding). None: as
         many as keep every SM busy (number of SMs // (B · head groups), at most 4), so a batch
