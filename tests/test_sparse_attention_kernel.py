@@ -166,6 +166,18 @@ def test_specialized_kernel_matches_reference_gpu(case, splits):
     check_variant_compiled(kernel_mgpu.TuningConfig(kernel="specialized", splits=splits), case, 9)
 
 
+def check_variant_interpreted(tuning, cases, seed):
+    """A Mosaic GPU kernel variant interpreted, on cases of `CPU_CASES`, against the definition:
+    within bf16's tolerance, zeros for an empty row, no race found."""
+    for case in cases:
+        args = make_case(seed, **CPU_CASES[case])
+        out = attention_fn("mgpu", config=api.Config(mgpu=tuning))(*args)
+        assert rel_err(out, _reference(*args)) <= 1e-2, case
+        if CPU_CASES[case].get("empty_row"):
+            assert np.all(np.asarray(out[0]) == 0)
+        assert_no_races("mgpu")
+
+
 def check_variant_compiled(tuning, case, seed):
     """A Mosaic GPU kernel variant compiled, on a case of either list, against the definition:
     finite, within bf16's tolerance, zeros for an empty row, the same bits twice."""
@@ -248,11 +260,7 @@ def test_async_gather_matches_reference(splits):
     checks the kernel's order of steps (the first chunk staged before the window's, each
     chunk's decode before the next one's copies); the PTX path is the GPU test's below."""
     tuning = kernel_mgpu.TuningConfig(gather="async", splits=splits)
-    for case in ("ragged", "no_window", "dim512"):
-        args = make_case(11, **CPU_CASES[case])
-        out = attention_fn("mgpu", config=api.Config(mgpu=tuning))(*args)
-        assert rel_err(out, _reference(*args)) <= 1e-2
-        assert_no_races("mgpu")
+    check_variant_interpreted(tuning, ("ragged", "no_window", "dim512"), 11)
 
 
 @pytest.mark.gpu
@@ -281,13 +289,7 @@ def test_words_carried_to_the_next_chunk_are_that_chunks(variant, splits):
     carried, not the rows (`_jnp_dequant`), so a step that carried another chunk's words, or
     a split that started from the wrong first chunk, fails here."""
     tuning = dataclasses.replace(CARRYING_VARIANTS[variant], splits=splits)
-    for case in ("ragged", "no_window", "dim512", "empty_row"):
-        args = make_case(15, **CPU_CASES[case])
-        out = attention_fn("mgpu", config=api.Config(mgpu=tuning))(*args)
-        assert rel_err(out, _reference(*args)) <= 1e-2
-        if CPU_CASES[case].get("empty_row"):
-            assert np.all(np.asarray(out[0]) == 0)
-        assert_no_races("mgpu")
+    check_variant_interpreted(tuning, ("ragged", "no_window", "dim512", "empty_row"), 15)
 
 
 @pytest.mark.gpu
@@ -308,11 +310,7 @@ def test_q_overlap_matches_reference(splits):
     the top-k, so both loops hold a first chunk; the interpreter's race check sees the q
     buffer read before its copy landed, if the wait came too late."""
     tuning = kernel_mgpu.TuningConfig(q_overlap=True, splits=splits)
-    for case in ("ragged", "no_window", "dim512"):
-        args = make_case(13, **CPU_CASES[case])
-        out = attention_fn("mgpu", config=api.Config(mgpu=tuning))(*args)
-        assert rel_err(out, _reference(*args)) <= 1e-2
-        assert_no_races("mgpu")
+    check_variant_interpreted(tuning, ("ragged", "no_window", "dim512"), 13)
 
 
 @pytest.mark.gpu
