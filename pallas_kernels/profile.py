@@ -31,13 +31,14 @@ from pallas_kernels.sparse_attention import bench as attention_bench
 from pallas_kernels.sparse_attention import kernel_mgpu as attention_kernel
 
 TARGETS = ("attention", "pooled", "scan")
+ATTENTION_VARIANTS = ("default", *attention_bench.MGPU_VARIANTS)
+"""`attention`'s variants: the default `TuningConfig` and the benchmark's labels."""
 
 
 def attention(batch: int, variant: str, calls: int, n_kv: int = 4096) -> None:
     """Calls the FP4 sparse-attention Mosaic GPU kernel `calls` times, each on fresh inputs."""
-    if variant != "default" and variant not in attention_bench.MGPU_VARIANTS:
-        choices = ("default", *attention_bench.MGPU_VARIANTS)
-        raise ValueError(f"variant: expected one of {choices}, got {variant!r}")
+    if variant not in ATTENTION_VARIANTS:
+        raise ValueError(f"variant: expected one of {ATTENTION_VARIANTS}, got {variant!r}")
     config = attention_bench.MGPU_VARIANTS.get(variant, attention_kernel.TuningConfig())
     fn = jax.jit(functools.partial(attention_kernel.fp4_sparse_attention_mgpu, config=config))
     for i in range(calls):
@@ -83,9 +84,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--calls: expected >= 1, got {args.calls}")
     if args.batch is not None and args.batch < 1:
         parser.error(f"--batch: expected >= 1, got {args.batch}")
-    variants = ("default", *attention_bench.MGPU_VARIANTS)
-    if args.target == "attention" and args.variant not in variants:
-        parser.error(f"--variant: expected one of {variants}, got {args.variant!r}")
+    if args.target == "attention" and args.variant not in ATTENTION_VARIANTS:
+        parser.error(f"--variant: expected one of {ATTENTION_VARIANTS}, got {args.variant!r}")
     if args.target != "attention" and args.variant != "default":
         parser.error(f"--variant: only for 'attention', got {args.variant!r} for {args.target!r}")
     return args

@@ -1016,9 +1016,10 @@ def _exchange_kernel(
     def chunk_slots(chunk):
         return slots_smem.at[chunk]
 
-    def attend(chunk, parity, carry, before_pv=None):
+    def attend(chunk, parity, carry, carried):
         """QK^T, the logit exchange, the online softmax and PV for the chunk now in `dst`:
-        (acc, m, denom, what `before_pv()` returned, called between the softmax and PV)."""
+        (acc, m, denom, what the step carries on: `carried()`, called between the softmax and
+        PV, so that loads it starts fly while PV runs)."""
         acc, m, denom = carry
         if q_overlap:
 
@@ -1041,21 +1042,21 @@ def _exchange_kernel(
         s_other = plgpu.load(s_smem.at[parity, 1 - wg], layout=plgpu.Layout.WGMMA)
         s = s_own + s_other  # a + b == b + a: both warpgroups get the same logits
         p16, acc, m, denom = _softmax_step(s, chunk_slots(chunk), acc, m, denom, logit_scale)
-        extra = before_pv() if before_pv else None  # e.g. loads that fly while PV runs
+        raw_out = carried()
         if interpret:
-            return _pv_in_interpreter(acc, p16, p_smem.at[wg], dst), m, denom, extra
+            return _pv_in_interpreter(acc, p16, p_smem.at[wg], dst), m, denom, raw_out
 
         def pv(acc_ref):  # accumulates onto acc in place; run_state awaits it on exit
             plgpu.wgmma(acc_ref, p16, dst)
 
-        return pl.run_state(pv)(plgpu.ACC.init(acc)), m, denom, extra
+        return pl.run_state(pv)(plgpu.ACC.init(acc)), m, denom, raw_out
 
     def window_step(c, carry):
         dequant.window(win_rows, chunk_slots(c), dst)
         acc, m, denom, raw = carry
         if gather == "behind_pv":  # the first top-k chunk's words, loaded behind this PV
             return attend(c, c % 2, (acc, m, denom), lambda: dequant.load(kv_rows, first_slots))
-        return (*attend(c, c % 2, (acc, m, denom))[:3], raw)
+        return attend(c, c % 2, (acc, m, denom), lambda: raw)
 
     # The split's chunks [lo, hi) as a window range and a top-k range; consecutive chunks
     # alternate parity across the two loops.
@@ -1069,11 +1070,11 @@ def _exchange_kernel(
         chunk = n_window_chunks + c
         nxt = n_window_chunks + jnp.minimum(c + 1, k_hi - 1)
         if ablation == "no_topk_rows":  # TuningConfig.ablation: no gather, no decode
-            return (*attend(chunk, chunk % 2, (acc, m, denom))[:3], raw)
+            return attend(chunk, chunk % 2, (acc, m, denom), lambda: raw)
         if gather == "async":  # this chunk's words are staged; stage the next one's
             dequant.store_staged(staging.at[wg], dst, kv_rows, chunk_slots(chunk))
             dequant.stage(kv_rows, chunk_slots(nxt), staging.at[wg])
-            return (*attend(chunk, chunk % 2, (acc, m, denom))[:3], raw)
+            return attend(chunk, chunk % 2, (acc, m, denom), lambda: raw)
         if gather == "behind_pv":  # this chunk's words came behind the last PV; load the next
             dequant.store(raw, dst, kv_rows, chunk_slots(chunk))
             next_words = functools.partial(dequant.load, kv_rows, chunk_slots(nxt))
@@ -1083,13 +1084,13 @@ def _exchange_kernel(
         else:
             raw = raw_next = dequant.load(kv_rows, chunk_slots(chunk))
         dequant.store(raw, dst, kv_rows, chunk_slots(chunk))
-        return (*attend(chunk, chunk % 2, (acc, m, denom))[:3], raw_next)
+        return attend(chunk, chunk % 2, (acc, m, denom), lambda: raw_next)
 
     first = n_window_chunks + jnp.minimum(k_lo, n_topk_chunks - 1)  # always a real chunk
     first_slots = chunk_slots(first)
     acc0, m0, denom0 = _open_softmax(sink_smem.at[wg], half, split)
     if gather == "async":
-        dequant.stage(kv_rows, chunk_slots(first), staging.at[wg])
+        dequant.stage(kv_rows, first_slots, staging.at[wg])
         raw0 = None  # nothing carried: the words wait in shared memory
     else:
         raw0 = dequant.load(kv_rows, first_slots)
