@@ -4,13 +4,18 @@
 # H100 kind (`nvidia-h100-x1`); the H200's gVisor refuses them (the device library's KINDS.md).
 #   bash scripts/ncu.sh                        # every profile below
 #   bash scripts/ncu.sh attention_b128 scan    # some of them
-# Per profile: $OUT/<name>.ncu-rep (open it in the Nsight Compute UI), <name>_details.txt (every
-# section: throughput, memory, warp states and their stall reasons, occupancy) and
-# <name>_sass.csv (the SASS, each instruction with its warp-state samples). The second launch of
-# the kernel is profiled (the first compiles it); clocks are left alone (`--clock-control none`).
+# Per profile, in $NCU_WORK (default /tmp/ncu_work): <name>.ncu-rep (open it in the Nsight Compute
+# UI), <name>_details.txt (every section: throughput, memory, warp states and their stall reasons,
+# occupancy) and <name>_sass.csv.gz (the SASS, each instruction with its warp-state samples). The
+# second launch of the kernel is profiled (the first compiles it); clocks are left alone
+# (`--clock-control none`). $OUT gets four files, since the device tool brings back only a few:
+# ncu_summary.json and .md (`python -m pallas_kernels.ncu_report`), ncu_text.tgz (the details,
+# SASS and run logs) and ncu_reports.tgz (the .ncu-rep files).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:?set OUT to the folder the results go to}
+WORK=${NCU_WORK:-/tmp/ncu_work}
+mkdir -p "$WORK"
 PY=${PYTHON:-python3}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
 [[ -x $NCU ]] || { echo "ncu: not found" >&2; exit 1; }
@@ -20,11 +25,14 @@ declare -A PROFILES=(
   [attention_b128]="attention --batch 128"
   [attention_b64]="attention --batch 64"
   [attention_b128_no_topk_rows]="attention --batch 128 --variant no_topk_rows"
+  [attention_b128_behind_pv]="attention --batch 128 --variant behind_pv"
+  [attention_b128_async_gather]="attention --batch 128 --variant async_gather"
   [pooled]="pooled"
   [scan]="scan"
 )
 names=("$@")
-[[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_no_topk_rows pooled scan)
+[[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_no_topk_rows attention_b128_behind_pv
+  attention_b128_async_gather pooled scan)
 status=0
 for name in "${names[@]}"; do
   args=${PROFILES[$name]:-}
@@ -33,16 +41,19 @@ for name in "${names[@]}"; do
   start=$SECONDS
   # shellcheck disable=SC2086
   "$NCU" --clock-control none --target-processes all --kernel-name regex:mosaic \
-    --launch-skip 1 --launch-count 1 --set full --import-source no -f -o "$OUT/$name" \
-    "$PY" -m pallas_kernels.profile $args >"$OUT/${name}_run.log" 2>&1 || status=1
-  tail -3 "$OUT/${name}_run.log"
-  if [[ -f $OUT/$name.ncu-rep ]]; then
-    "$NCU" -i "$OUT/$name.ncu-rep" --page details >"$OUT/${name}_details.txt" 2>&1 || status=1
-    "$NCU" -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass \
-      >"$OUT/${name}_sass.csv" 2>&1 || status=1
-    grep -E "Duration|Registers Per|Stall|Issue Slots|Warp Cycles Per Issued|Achieved Occ" \
-      "$OUT/${name}_details.txt" | head -20
+    --launch-skip 1 --launch-count 1 --set full --import-source no -f -o "$WORK/$name" \
+    "$PY" -m pallas_kernels.profile $args >"$WORK/${name}_run.log" 2>&1 || status=1
+  tail -3 "$WORK/${name}_run.log"
+  if [[ -f $WORK/$name.ncu-rep ]]; then
+    "$NCU" -i "$WORK/$name.ncu-rep" --page details >"$WORK/${name}_details.txt" 2>&1 || status=1
+    "$NCU" -i "$WORK/$name.ncu-rep" --page source --csv --print-source sass \
+      | gzip >"$WORK/${name}_sass.csv.gz" || status=1
   fi
   echo "== $name: $((SECONDS - start)) s"
 done
+"$PY" -m pallas_kernels.ncu_report "$WORK" --out "$OUT/ncu_summary.json" >"$OUT/ncu_summary.md" \
+  || status=1
+head -40 "$OUT/ncu_summary.md"
+(cd "$WORK" && tar czf "$OUT/ncu_text.tgz" ./*_details.txt ./*_sass.csv.gz ./*_run.log) || status=1
+(cd "$WORK" && tar czf "$OUT/ncu_reports.tgz" ./*.ncu-rep) || status=1
 exit $status
