@@ -802,10 +802,7 @@ def _write_output(acc, m, denom, out_smem, o_ref, lse_ref, lse_smem, *, b, split
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, heads], commit_group=False)
 
     plgpu.commit_smem_to_gmem_group()
-    # The copies' reads of shared memory, not their writes: the kernel's end publishes those,
-    # and waiting for them cost 2–4 % of the warp samples at the exit (`CCTL.IVALL`, Nsight
-    # Compute on an H100: experiments/results/ncu_h100_2026-12-06/summary.md).
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.wait_smem_to_gmem(0)
 
 
 CONSUMER_REGISTERS = 224
