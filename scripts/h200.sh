@@ -11,6 +11,7 @@
 #                                   # (the sixth session's) | attention_async |
 #                                   # launch_cuts (the seventh's) | row_default (the eighth's)
 #                                   # | q_overlap (the ninth's; scripts/ncu.sh: its profiles)
+#                                   # | gather_default (the tenth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -246,6 +247,15 @@ if [[ $stage == q_overlap ]]; then
   timeout -s INT 240 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
     --variants q_overlap behind_pv behind_pv_q_overlap \
     --out "$OUT/bench_sparse_attention_h200.json" >/dev/null || status=1
+fi
+if [[ $stage == gather_default ]]; then
+  # The tenth session's: `gather=None` (behind PV at one split, at each chunk's start with more)
+  # as the default, its GPU tests, then the benchmark beside both gathers set. Guards 500 s.
+  timeout -s INT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py 2>&1 | tee "$OUT/gpu_tests_attention.log" | tail -3 \
+    || status=1
+  timeout -s INT 200 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --variants registers behind_pv --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

@@ -322,6 +322,23 @@ def test_q_overlap_matches_reference_gpu(case, splits):
     check_variant_compiled(kernel_mgpu.TuningConfig(q_overlap=True, splits=splits), case, 14)
 
 
+def test_the_default_gather_loads_behind_pv_only_for_one_split():
+    """`gather=None` resolves per call: behind PV where a CTA runs all its query's chunks (one
+    split), at each chunk's start with more splits, under an ablation or beside `prefetch`;
+    a gather that is set is kept."""
+    default = kernel_mgpu.TuningConfig()
+    assert default.gather is None
+    assert [default.gather_for(s) for s in (1, 2, 4)] == ["behind_pv", "registers", "registers"]
+    for other in (
+        kernel_mgpu.TuningConfig(ablation="no_topk_rows"),
+        kernel_mgpu.TuningConfig(prefetch=True),
+        kernel_mgpu.TuningConfig(kernel="specialized"),
+    ):
+        assert other.gather_for(1) == "registers", other
+    assert kernel_mgpu.TuningConfig(gather="registers").gather_for(1) == "registers"
+    assert kernel_mgpu.TuningConfig(gather="async").gather_for(2) == "async"
+
+
 def test_tuning_errors_name_the_option():
     with pytest.raises(ValueError, match="gather"):
         kernel_mgpu.TuningConfig(gather="tma")
@@ -331,6 +348,8 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(gather="async", prefetch=True)
     with pytest.raises(ValueError, match="gather: 'behind_pv' only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(gather="behind_pv", prefetch=True)
+    with pytest.raises(ValueError, match="ablation='no_topk_rows'"):
+        kernel_mgpu.TuningConfig(gather="behind_pv", ablation="no_topk_rows")
     with pytest.raises(ValueError, match="q_overlap: only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(q_overlap=True, kernel="specialized")
     with pytest.raises(ValueError, match="ablation"):

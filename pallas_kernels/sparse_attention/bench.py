@@ -42,6 +42,7 @@ MGPU_VARIANTS = {
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "specialized_splits1": kernel_mgpu.TuningConfig(kernel="specialized", splits=1),
     "splits1": kernel_mgpu.TuningConfig(splits=1),
+    "registers": kernel_mgpu.TuningConfig(gather="registers"),
     "async_gather": kernel_mgpu.TuningConfig(gather="async"),
     "q_overlap": kernel_mgpu.TuningConfig(q_overlap=True),
     "behind_pv": kernel_mgpu.TuningConfig(gather="behind_pv"),
@@ -51,8 +52,9 @@ MGPU_VARIANTS = {
     "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
 }
 """Mosaic GPU configurations the command line can add by label (`--variants`): the
-warp-specialized kernel, split-KV off, the staged gather (`cp.async`), q awaited at the first
-product, the next chunk's loads behind PV (alone and with q awaited late), and the default kernel
+warp-specialized kernel, split-KV off, each chunk's loads at its start (the default before
+2026-12-06 at every batch), the staged gather (`cp.async`), q awaited at the first product, the
+next chunk's loads behind PV (alone and with q awaited late), and the default kernel
 without the top-k rows' gather and decode, without the gather alone, or without the decode alone
 (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
 

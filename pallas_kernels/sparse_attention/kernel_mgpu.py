@@ -244,23 +244,28 @@ class TuningConfig:
         partial outputs merged by log-sum-exp in XLA (split-KV, as flash-decoding). None: as
         many as keep every SM busy (number of SMs // (B · head groups), at most 4), so a batch
         of 64 queries still fills the 132 SMs of an H200; 1 on CPU.
-      gather: ('exchange' only) how a top-k chunk's packed rows reach the decode. 'registers'
-        (the default): each thread loads its words from HBM when the chunk starts and waits
-        for them. 'async': each thread copies the next chunk's words into its own slots of
-        shared memory with `cp.async` while this chunk's products run, and reads them back
-        after waiting for its own copies only (no barrier: no thread reads another's words;
-        no registers held across the products, unlike `prefetch`). 20 KB of staging at
-        D = 512. Correct on the H200 (its 16 GPU tests), but no faster there: 32.8 µs against
-        32.7 at batch 64, 49.7 against 49.1 at 128 (2026-12-04, NOTES.md), so not the default.
-        'behind_pv': each thread loads the next top-k chunk's words into registers after this
-        chunk's softmax, just before its PV, so the loads fly while PV runs and the registers
-        are held during PV only (`prefetch` held them across the whole chunk and spilled); the
-        window's chunks load the first top-k chunk's words the same way. Correct in the
-        interpreter (whose decode reads the words carried); not yet timed on the H200.
+      gather: ('exchange' only) how a top-k chunk's packed rows reach the decode. 'registers':
+        each thread loads its words from HBM when the chunk starts and waits for them.
+        'async': each thread copies the next chunk's words into its own slots of shared memory
+        with `cp.async` while this chunk's products run, and reads them back after waiting for
+        its own copies only (no barrier: no thread reads another's words; no registers held
+        across the products, unlike `prefetch`). 20 KB of staging at D = 512. Correct on the
+        H200 (its 16 GPU tests), but no faster there: 32.8 µs against 32.7 at batch 64, 49.7
+        against 49.1 at 128 (2026-12-04, NOTES.md). 'behind_pv': each thread loads the next
+        top-k chunk's words into registers after this chunk's softmax, just before its PV, so
+        the loads fly while PV runs and the registers are held during PV only (`prefetch`
+        held them across the whole chunk and spilled); the window's chunks load the first
+        top-k chunk's words the same way. On an H100 (2026-12-06, NOTES.md) it took the
+        kernel from about 50.9 to 48.9 µs at batch 128 (one split: 10 chunks per CTA) in each
+        of 5 runs, and cost about 0.5 µs at batch 64 (two splits of 5 chunks) in 4 of 5.
+        None (the default): 'behind_pv' where the call runs one split, else 'registers'
+        (`gather_for`); 'registers' under an ablation, whose leave-one-outs were measured so.
       q_overlap: ('exchange' only) wait for q's copy into shared memory only before the first
         QK^T, so that the first chunk's gather and decode run while q arrives (64 KB per CTA
         at D = 512; when every CTA starts at once, the q of a batch of 128 is 8 MB, about
-        2 µs at the copy ceiling). Off by default until the H200 has timed it.
+        2 µs at the copy ceiling). Off: no faster on an H100 (2026-12-06, NOTES.md; 34.4
+        against 34.3 µs at batch 64, 52.1 against 52.3 at 128), where the wait for q still
+        held 6.5 % of the warp samples at batch 128 (Nsight Compute).
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
@@ -274,7 +279,7 @@ class TuningConfig:
     dequant: str = "ptx"
     kernel: str = "exchange"
     prefetch: bool = False
-    gather: str = "registers"
+    gather: str | None = None
     splits: int | None = None
     q_overlap: bool = False
     ablation: str | None = None
@@ -286,12 +291,15 @@ class TuningConfig:
             )
         if self.ablation is not None and self.kernel != "exchange":
             raise ValueError(f"ablation: only with kernel='exchange', got kernel={self.kernel!r}")
-        if self.gather not in GATHERS:
-            raise ValueError(f"gather: expected one of {GATHERS}, got {self.gather!r}")
-        if self.gather != "registers" and (self.kernel != "exchange" or self.prefetch):
+        if self.gather is not None and self.gather not in GATHERS:
+            raise ValueError(f"gather: expected None or one of {GATHERS}, got {self.gather!r}")
+        if self.gather not in (None, "registers") and (
+            self.kernel != "exchange" or self.prefetch or self.ablation is not None
+        ):
             raise ValueError(
-                f"gather: {self.gather!r} only with kernel='exchange' and prefetch=False, got "
-                f"kernel={self.kernel!r}, prefetch={self.prefetch}"
+                f"gather: {self.gather!r} only with kernel='exchange', prefetch=False and no "
+                f"ablation, got kernel={self.kernel!r}, prefetch={self.prefetch}, "
+                f"ablation={self.ablation!r}"
             )
         if self.q_overlap and self.kernel != "exchange":
             raise ValueError(f"q_overlap: only with kernel='exchange', got kernel={self.kernel!r}")
@@ -301,6 +309,16 @@ class TuningConfig:
             raise ValueError(f"dequant: expected 'ptx' or 'jnp', got {self.dequant!r}")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits: expected None or >= 1, got {self.splits}")
+
+    def gather_for(self, splits: int) -> str:
+        """The gather a call with `splits` CTAs per (query, head group) runs: `gather` as set,
+        else 'behind_pv' for one split of the exchange kernel without prefetch or ablation
+        (faster there on an H100, slower with two splits: the docstring above), else
+        'registers'."""
+        if self.gather is not None:
+            return self.gather
+        plain = self.kernel == "exchange" and not self.prefetch and self.ablation is None
+        return "behind_pv" if plain and splits == 1 else "registers"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1238,7 +1256,7 @@ def fp4_sparse_attention_mgpu(
             _exchange_kernel,
             dequant=make_dequant(geometry),
             prefetch=config.prefetch,
-            gather=config.gather,
+            gather=config.gather_for(splits),
             q_overlap=config.q_overlap,
             ablation=config.ablation,
             **statics,
@@ -1250,7 +1268,7 @@ def fp4_sparse_attention_mgpu(
             plgpu.SMEM((n_chunks, BLOCK_KV), jnp.int32),  # both warpgroups read one copy
         ]
         barriers = [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2)]
-        if config.gather == "async":  # `_exchange_kernel`'s optional scratch, first
+        if config.gather_for(splits) == "async":  # `_exchange_kernel`'s optional scratch, first
             staging = (2, geometry.staged_quads, WARPGROUP, 4)
             optional.append(plgpu.SMEM(staging, jnp.int32))
     out, lse = plgpu.kernel(
