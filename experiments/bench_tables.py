@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from pathlib import Path
 
 
@@ -127,6 +128,56 @@ def sparse_attention(att: dict, *, longest: bool = False) -> str:
         if "[no_" in name:  # a leave-one-out variant computes wrong results: no speed-up
             continue
         lines.append(f"| {name} | {s['vs_xla_bf16_cache']:.2f}× | {s['vs_xla_packed']:.2f}× |")
+    return "\n".join(lines)
+
+
+def attention_runs(reports: list[dict], paths: list[Path]) -> str:
+    """Several `sparse_attention.bench` runs side by side, for the Mosaic GPU rows: per batch
+    and label, the Mosaic kernel alone in each run (the call in parentheses), then the median
+    kernel over the runs and its difference to the same run's default (`pallas_mgpu`) paired
+    run by run. Labels name the config the run's code gave them; the paths say which code."""
+    devices = sorted({r["device"] for r in reports})
+    lines = [
+        "Runs: " + ", ".join(f"({i + 1}) `{p.name}`" for i, p in enumerate(paths)) + ".",
+        f"Device: {', '.join(devices)}.",
+        "",
+        "| batch | implementation | "
+        + " | ".join(f"({i + 1})" for i in range(len(reports)))
+        + " | median | paired Δ to default |",
+        "|---|---|" + "---|" * (len(reports) + 2),
+    ]
+
+    def kernel_us(r: dict) -> float | None:
+        found = [us for name, us in r.get("kernels_us", []) if "mosaic" in name]
+        return found[0] if found else None
+
+    keys = []
+    for report in reports:
+        for r in report["results"]:
+            if r["implementation"].startswith("pallas_mgpu") and "time_us" in r:
+                keys.append((r["batch"], r["implementation"]))
+    by_run = [
+        {(r["batch"], r["implementation"]): r for r in report["results"] if "time_us" in r}
+        for report in reports
+    ]
+    for key in dict.fromkeys(sorted(keys)):
+        cells, kernels, deltas = [], [], []
+        for run in by_run:
+            r = run.get(key)
+            if r is None or kernel_us(r) is None:
+                cells.append("")
+                continue
+            cells.append(f"{kernel_us(r):.2f} ({r['time_us']:.2f})")
+            kernels.append(kernel_us(r))
+            base = run.get((key[0], "pallas_mgpu"))
+            if base is not None and kernel_us(base) is not None:
+                deltas.append(kernel_us(r) - kernel_us(base))
+        median = f"{statistics.median(kernels):.2f}" if kernels else ""
+        delta = ""
+        if deltas and key[1] != "pallas_mgpu":
+            delta = f"{statistics.median(deltas):+.2f} ({min(deltas):+.2f} … {max(deltas):+.2f})"
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + f" | {median} | {delta} |")
+    lines += ["", "Times in µs: the Mosaic kernel (the whole call); Δ: median (range) over runs."]
     return "\n".join(lines)
 
 
@@ -585,6 +636,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the paths are sparse_attention.bench runs (with each call's longest kernel)",
     )
     parser.add_argument(
+        "--attention-runs",
+        action="store_true",
+        help="the paths are sparse_attention.bench runs to set side by side (Mosaic GPU rows)",
+    )
+    parser.add_argument(
         "--targets",
         action="store_true",
         help="issue 16's targets from source-scan, pooled, attention and decode runs",
@@ -596,6 +652,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.tune:
         for path, report in zip(args.paths, reports, strict=True):
             print(source_scan_tune(report, path) + "\n")
+    elif args.attention_runs:
+        print(attention_runs(reports, args.paths))
     elif args.attention:
         print("\n\n".join(sparse_attention(report, longest=True) for report in reports))
     elif args.pooled:

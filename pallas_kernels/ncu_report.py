@@ -80,11 +80,21 @@ def _sass_rows(path: str | Path) -> tuple[list[str], list[list[str]]]:
     return header, [r for r in rows[header_at + 1 :] if len(r) >= len(header)]
 
 
+def opcode(sass: str) -> str:
+    """An instruction's opcode without its predicate and modifiers: `@!P2 LDG.E.128 R4, ...`
+    is 'LDG'."""
+    words = sass.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
 def stalls(path: str | Path, top: int = 12, context: int = 3) -> dict:
     """Warp-state samples of a SASS listing: {'samples', 'instructions', 'reasons': {reason:
     share of all samples, largest first}, 'top': the `top` instructions with the most samples,
     in program order, each {'index', 'sass', 'samples', 'share', 'executed', 'reasons': its two
-    largest, 'before': the `context` instructions above it}}.
+    largest, 'before': the `context` instructions above it}, 'executed': warp-level
+    instructions executed, 'opcodes': the `top` opcodes' shares of them, largest first}.
 
     Reasons drop ncu's `stall_` prefix. Some samples carry a reason the listing has no column
     for (an `HGMMA` waiting on the tensor core's queue is one): they count as 'unlisted'."""
@@ -114,11 +124,22 @@ def stalls(path: str | Path, top: int = 12, context: int = 3) -> dict:
                 "before": [r[col["Source"]].strip() for r in rows[max(0, i - context) : i]],
             }
         )
+    executed: dict[str, int] = {}
+    for r in rows:
+        op = opcode(r[col["Source"]])
+        executed[op] = executed.get(op, 0) + int(r[col[_EXECUTED]])
+    n_executed = sum(executed.values())
     return {
         "samples": total,
         "instructions": len(rows),
         "reasons": reasons_of(rows, total),
         "top": picked,
+        "executed": n_executed,
+        "opcodes": {
+            op: n / n_executed
+            for op, n in sorted(executed.items(), key=lambda kv: -kv[1])[:top]
+            if n_executed
+        },
     }
 
 
@@ -165,7 +186,9 @@ def markdown(summary: dict[str, dict], reasons: int = 6) -> str:
         if s is None:
             continue
         shares = ", ".join(f"{r} {v:.1%}" for r, v in list(s["reasons"].items())[:reasons])
+        mix = ", ".join(f"{op} {v:.1%}" for op, v in list(s["opcodes"].items())[:reasons])
         lines += ["", f"**{name}**: {s['samples']} samples; {shares}", ""]
+        lines += [f"Instructions executed: {s['executed']:,}; {mix}", ""]
         lines += ["| # | SASS | samples | share | stalled on |", "|---|---|---|---|---|"]
         for t in s["top"]:
             why = ", ".join(f"{r} {v:.0%}" for r, v in t["reasons"].items() if v >= 0.01)

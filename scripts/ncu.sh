@@ -25,13 +25,13 @@ declare -A PROFILES=(
   [attention_b128]="attention --batch 128"
   [attention_b64]="attention --batch 64"
   [attention_b128_no_topk_rows]="attention --batch 128 --variant no_topk_rows"
-  [attention_b128_behind_pv]="attention --batch 128 --variant behind_pv"
+  [attention_b128_registers]="attention --batch 128 --variant registers"
   [attention_b128_async_gather]="attention --batch 128 --variant async_gather"
   [pooled]="pooled"
   [scan]="scan"
 )
 names=("$@")
-[[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_no_topk_rows attention_b128_behind_pv
+[[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_no_topk_rows attention_b128_registers
   attention_b128_async_gather pooled scan)
 status=0
 for name in "${names[@]}"; do

@@ -789,17 +789,25 @@ def test_bench_decode_check_runs_every_op_of_the_step(tmp_path):
     )
 
 
-def test_every_printed_table_in_benchmarks_md_is_what_its_command_prints(capsys, monkeypatch):
-    """After each "Printed by `python3 experiments/bench_tables.py ...`" in BENCHMARKS.md, before
-    the next, stands that command's output on the committed JSON today, verbatim: no table
-    retyped, and none left behind when a printer changes."""
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "BENCHMARKS.md",
+        *(str(p.relative_to(REPO)) for p in sorted(REPO.glob("pallas_kernels/*/NOTES.md"))),
+    ],
+)
+def test_every_printed_table_in_benchmarks_md_is_what_its_command_prints(doc, capsys, monkeypatch):
+    """After each "Printed by `python3 experiments/bench_tables.py ...`" in BENCHMARKS.md (and in
+    the kernels' NOTES.md), before the next, stands that command's output on the committed JSON
+    today, verbatim: no table retyped, and none left behind when a printer changes."""
     import re
 
     from experiments import bench_tables
 
-    text = (REPO / "BENCHMARKS.md").read_text()
+    text = (REPO / doc).read_text()
     found = list(re.finditer(r"Printed by\s+`python3\s+experiments/bench_tables\.py([^`]*)`", text))
-    assert len(found) >= 19, len(found)
+    if doc == "BENCHMARKS.md":
+        assert len(found) >= 19, len(found)
     monkeypatch.chdir(REPO)
     for i, match in enumerate(found):
         argv = match.group(1)
@@ -994,3 +1002,32 @@ def test_the_targets_table_reads_each_target_from_its_report_and_says_whether_it
     assert "`pooled.json`" in table and "`slower.json`" not in table, table
     with pytest.raises(ValueError, match=r"paths: .*other\.json is not a source-scan"):
         bench_tables.targets([{"copy": {}, "source_scan": {}}], [tmp_path / "other.json"])
+
+
+def test_attention_runs_pair_each_variant_with_its_own_runs_default():
+    """`bench_tables --attention-runs`: one column per run (the Mosaic kernel, the call), the
+    median over runs, and each variant's difference to the default of the same run."""
+    from experiments import bench_tables
+
+    def run(default_us, variant_us):
+        def row(label, us):
+            return {
+                "batch": 8,
+                "implementation": label,
+                "time_us": us + 5.0,
+                "kernels_us": [["input_fusion", 1.0], ["anonymous_mosaic_gpu_kernel", us]],
+            }
+
+        rows = [row("pallas_mgpu", default_us), row("pallas_mgpu[fast]", variant_us)]
+        rows.append({"batch": 8, "implementation": "xla_packed", "time_us": 99.0})
+        return {"device": "GPU X", "results": rows}
+
+    reports = [run(10.0, 9.0), run(12.0, 10.5), run(11.0, 11.5)]
+    table = bench_tables.attention_runs(reports, [Path(f"r{i}.json") for i in range(3)])
+    assert "Runs: (1) `r0.json`, (2) `r1.json`, (3) `r2.json`." in table
+    assert "| 8 | pallas_mgpu | 10.00 (15.00) | 12.00 (17.00) | 11.00 (16.00) | 11.00 |  |" in table
+    assert (
+        "| 8 | pallas_mgpu[fast] | 9.00 (14.00) | 10.50 (15.50) | 11.50 (16.50) | 10.50 " in table
+    )
+    assert "| -1.00 (-1.50 … +0.50) |" in table
+    assert "xla_packed" not in table

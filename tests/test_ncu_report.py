@@ -82,6 +82,13 @@ def test_details_and_stalls_read_what_ncu_writes(tmp_path):
     assert sel["reasons"] == {"long_sb": 1.0}
     assert hgmma["reasons"] == pytest.approx({"unlisted": 0.75, "barrier": 0.25})
     assert hgmma["executed"] == 64 and hgmma["share"] == pytest.approx(8 / total)
+    executed = sum(r[2] for r in ROWS)
+    assert s["executed"] == executed
+    assert list(s["opcodes"])[:2] == ["HGMMA", "WARPGROUP"]  # ties keep program order
+    assert s["opcodes"]["HGMMA"] == pytest.approx(64 / executed)
+    assert len(s["opcodes"]) == 3  # `top`
+    assert ncu_report.opcode("@!P2  LDG.E.128.CONSTANT R4, desc[UR4][R2.64]") == "LDG"
+    assert ncu_report.opcode("      HMUL2 R59, R59, R24") == "HMUL2"
 
 
 def test_summarize_pairs_each_profiles_files_and_prints_them(tmp_path):
@@ -94,6 +101,7 @@ def test_summarize_pairs_each_profiles_files_and_prints_them(tmp_path):
     text = ncu_report.markdown(summary)
     assert "| Duration | 52.45 us |  |" in text
     assert "**b**: 13 samples; long_sb 92.3%, math 7.7%" in text
+    assert "Instructions executed: 96; LDG 33.3%, IADD3 33.3%\n" in text  # top=2
     assert "| 2 | `SEL R8, R4, RZ, P0` | 12 | 92.3% | long_sb 100% |" in text
 
 
@@ -108,7 +116,9 @@ def test_bad_inputs_are_named(tmp_path):
         ncu_report.summarize(tmp_path / "absent")
 
 
-@pytest.mark.parametrize("folder", sorted(PROFILES.glob("ncu_*")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "folder", sorted(p for p in PROFILES.glob("ncu_*") if p.is_dir()), ids=lambda p: p.name
+)
 def test_committed_summaries_are_what_their_listings_give(folder):
     """The committed summary.json (NOTES.md quotes it) is `summarize` of the committed details
     and SASS listings beside it, and summary.md its `markdown`."""
