@@ -6,9 +6,11 @@ query's FP8 window rows first, then the compressed rows its top-k selects. Warpg
 [w·D/2, (w+1)·D/2) of the latent. Per chunk:
 
 1. each thread gathers its share of the chunk's packed rows straight from HBM with vector loads
-   (Hopper has no TMA gather; `TuningConfig.prefetch` loads the next chunk's rows ahead into
-   registers, `TuningConfig(gather='behind_pv')` the same but only during PV,
-   `TuningConfig(gather='async')` copies them ahead into shared memory), decodes
+   (Hopper has no TMA gather): by default, where a CTA runs all its query's chunks (one split),
+   the next top-k chunk's words are loaded behind this chunk's PV (`gather='behind_pv'`), with
+   more splits at the chunk's start (`gather='registers'`); `TuningConfig.prefetch` loads the
+   next chunk's rows ahead into registers for the whole chunk, `TuningConfig(gather='async')`
+   copies them ahead into shared memory. Each thread then decodes
    E2M1 × E4M3 (window: E4M3 × UE8M0) to bf16 in registers and stores the tile into 128-byte
    swizzled shared memory; a −1 slot is decoded from zeroed bytes, so it holds exact zeros;
 2. a partial QK^T over its half of D (wgmma 64×64×D/2); the two partial logit tiles are summed
