@@ -1254,11 +1254,12 @@ def fp4_sparse_attention_mgpu(
             plgpu.Barrier(num_arrivals=2),  # done
         ]
     else:
+        gather = config.gather_for(splits)
         kernel = functools.partial(
             _exchange_kernel,
             dequant=make_dequant(geometry),
             prefetch=config.prefetch,
-            gather=config.gather_for(splits),
+            gather=gather,
             q_overlap=config.q_overlap,
             ablation=config.ablation,
             **statics,
@@ -1270,7 +1271,7 @@ def fp4_sparse_attention_mgpu(
             plgpu.SMEM((n_chunks, BLOCK_KV), jnp.int32),  # both warpgroups read one copy
         ]
         barriers = [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2)]
-        if config.gather_for(splits) == "async":  # `_exchange_kernel`'s optional scratch, first
+        if gather == "async":  # `_exchange_kernel`'s optional scratch, first
             staging = (2, geometry.staged_quads, WARPGROUP, 4)
             optional.append(plgpu.SMEM(staging, jnp.int32))
     out, lse = plgpu.kernel(
