@@ -133,9 +133,15 @@ def sparse_attention(att: dict, *, longest: bool = False) -> str:
 
 def attention_runs(reports: list[dict], paths: list[Path]) -> str:
     """Several `sparse_attention.bench` runs side by side, for the Mosaic GPU rows: per batch
-    and label, the Mosaic kernel alone in each run (the call in parentheses), then the median
-    kernel over the runs and its difference to the same run's default (`pallas_mgpu`) paired
-    run by run. Labels name the config the run's code gave them; the paths say which code."""
+    and label, the Mosaic kernel alone in each run (`longest_kernel_us`: the median over the
+    run's calls of each call's longest kernel, the Mosaic kernel in these rows; the call in
+    parentheses), then the median kernel over the runs and its difference to the same run's
+    default (`pallas_mgpu`) paired run by run. Labels name the config the run's code gave them;
+    the paths say which code.
+
+    Raises:
+      ValueError: a row whose last call's longest kernel is not a Mosaic GPU kernel (then
+        `longest_kernel_us` would time something else)."""
     devices = sorted({r["device"] for r in reports})
     lines = [
         "Runs: " + ", ".join(f"({i + 1}) `{p.name}`" for i, p in enumerate(paths)) + ".",
@@ -148,8 +154,15 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
     ]
 
     def kernel_us(r: dict) -> float | None:
-        found = [us for name, us in r.get("kernels_us", []) if "mosaic" in name]
-        return found[0] if found else None
+        if "longest_kernel_us" not in r:
+            return None
+        name, _ = max(r["kernels_us"], key=lambda kernel: kernel[1])
+        if "mosaic" not in name:
+            raise ValueError(
+                f"reports: batch {r['batch']} {r['implementation']}: expected the Mosaic GPU "
+                f"kernel to be the call's longest, got {name!r}"
+            )
+        return r["longest_kernel_us"]
 
     keys = []
     for report in reports:
@@ -177,7 +190,11 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
         if deltas and key[1] != "pallas_mgpu":
             delta = f"{statistics.median(deltas):+.2f} ({min(deltas):+.2f} … {max(deltas):+.2f})"
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + f" | {median} | {delta} |")
-    lines += ["", "Times in µs: the Mosaic kernel (the whole call); Δ: median (range) over runs."]
+    lines += [
+        "",
+        "Times in µs: the Mosaic kernel, median over the run's calls (the whole call, "
+        "median); Δ: median (range) over runs.",
+    ]
     return "\n".join(lines)
 
 

@@ -1005,8 +1005,9 @@ def test_the_targets_table_reads_each_target_from_its_report_and_says_whether_it
 
 
 def test_attention_runs_pair_each_variant_with_its_own_runs_default():
-    """`bench_tables --attention-runs`: one column per run (the Mosaic kernel, the call), the
-    median over runs, and each variant's difference to the default of the same run."""
+    """`bench_tables --attention-runs`: one column per run (the Mosaic kernel's median over the
+    run's calls, the call), the median over runs, and each variant's difference to the default
+    of the same run; a row whose longest kernel is not the Mosaic one is refused."""
     from experiments import bench_tables
 
     def run(default_us, variant_us):
@@ -1015,7 +1016,9 @@ def test_attention_runs_pair_each_variant_with_its_own_runs_default():
                 "batch": 8,
                 "implementation": label,
                 "time_us": us + 5.0,
-                "kernels_us": [["input_fusion", 1.0], ["anonymous_mosaic_gpu_kernel", us]],
+                "longest_kernel_us": us,
+                # The last call only: its Mosaic time differs from the median over calls.
+                "kernels_us": [["input_fusion", 1.0], ["anonymous_mosaic_gpu_kernel", us + 0.3]],
             }
 
         rows = [row("pallas_mgpu", default_us), row("pallas_mgpu[fast]", variant_us)]
@@ -1031,3 +1034,6 @@ def test_attention_runs_pair_each_variant_with_its_own_runs_default():
     )
     assert "| -1.00 (-1.50 … +0.50) |" in table
     assert "xla_packed" not in table
+    reports[1]["results"][0]["kernels_us"][0][1] = 50.0  # an XLA op outlasts the kernel
+    with pytest.raises(ValueError, match=r"batch 8 pallas_mgpu: .*got 'input_fusion'"):
+        bench_tables.attention_runs(reports, [Path(f"r{i}.json") for i in range(3)])

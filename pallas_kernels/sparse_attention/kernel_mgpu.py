@@ -259,7 +259,7 @@ class TuningConfig:
         held them across the whole chunk and spilled); the window's chunks load the first
         top-k chunk's words the same way. On an H100 (2026-12-06, NOTES.md) it took the
         kernel from about 50.9 to 48.9 µs at batch 128 (one split: 10 chunks per CTA) in each
-        of 5 runs, and cost about 0.5 µs at batch 64 (two splits of 5 chunks) in 4 of 5.
+        of 5 runs, and cost 0.5 to 1.0 µs at batch 64 (two splits of 5 chunks) in each of 5.
         None (the default): 'behind_pv' where the call runs one split, else 'registers'
         (`gather_for`); 'registers' under an ablation, whose leave-one-outs were measured so.
       q_overlap: ('exchange' only) wait for q's copy into shared memory only before the first
