@@ -11,7 +11,7 @@
 #                                   # (the sixth session's) | attention_async |
 #                                   # launch_cuts (the seventh's) | row_default (the eighth's)
 #                                   # | q_overlap (the ninth's; scripts/ncu.sh: its profiles)
-#                                   # | gather_default (the tenth's)
+#                                   # | gather_default (the tenth's) | pipelined (the eleventh's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -256,6 +256,16 @@ if [[ $stage == gather_default ]]; then
     || status=1
   timeout -s INT 200 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
     --variants registers behind_pv --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
+fi
+if [[ $stage == pipelined ]]; then
+  # The eleventh session's: the two-tile kernel (`TuningConfig(kernel='pipelined')`), its GPU
+  # tests, then the benchmark beside the default and both gathers set. Guards 500 s.
+  timeout -s INT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k pipelined 2>&1 | tee "$OUT/gpu_tests_attention.log" \
+    | tail -3 || status=1
+  timeout -s INT 200 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --variants pipelined pipelined_splits1 registers behind_pv \
+    --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

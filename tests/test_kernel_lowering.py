@@ -200,6 +200,7 @@ ATTENTION_VARIANTS = {
     "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
     "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
+    "pipelined": kernel_mgpu.TuningConfig(kernel="pipelined"),
 }
 
 

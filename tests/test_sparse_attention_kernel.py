@@ -322,6 +322,28 @@ def test_q_overlap_matches_reference_gpu(case, splits):
     check_variant_compiled(kernel_mgpu.TuningConfig(q_overlap=True, splits=splits), case, 14)
 
 
+@pytest.mark.parametrize("splits", (None, 3))
+def test_pipelined_kernel_matches_reference(splits):
+    """`TuningConfig(kernel='pipelined')`: two key tiles, the next chunk decoded while PV runs,
+    QK^T over the full D. The interpreter's decode reads the words it is given (loaded one
+    chunk ahead), and its barrier checks see a tile read before both halves were written;
+    three splits start one split in the window and the others in the top-k, so the first
+    chunk of a split is decoded from either source, and a split's last chunk has none after
+    it."""
+    tuning = kernel_mgpu.TuningConfig(kernel="pipelined", splits=splits)
+    check_variant_interpreted(tuning, ("ragged", "no_window", "dim512", "empty_row"), 17)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
+@pytest.mark.parametrize("splits", (None, 1, 3))
+def test_pipelined_kernel_matches_reference_gpu(case, splits):
+    """The two-tile kernel compiled: every case against the definition, the same bits twice;
+    its PV in flight while the next chunk's PTX decode runs."""
+    check_variant_compiled(kernel_mgpu.TuningConfig(kernel="pipelined", splits=splits), case, 18)
+
+
 def test_the_default_gather_loads_behind_pv_only_for_one_split():
     """`gather=None` resolves per call: behind PV where a CTA runs all its query's chunks (one
     split), at each chunk's start with more splits, under an ablation or beside `prefetch`;
@@ -352,6 +374,10 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(gather="behind_pv", ablation="no_topk_rows")
     with pytest.raises(ValueError, match="q_overlap: only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(q_overlap=True, kernel="specialized")
+    with pytest.raises(ValueError, match="prefetch: only with kernel='exchange'.*'pipelined'"):
+        kernel_mgpu.TuningConfig(prefetch=True, kernel="pipelined")
+    with pytest.raises(ValueError, match="kernel: expected one of .*'pipelined'.*got 'fused'"):
+        kernel_mgpu.TuningConfig(kernel="fused")
     with pytest.raises(ValueError, match="ablation"):
         kernel_mgpu.TuningConfig(ablation="no_window")
     args = make_case(4, **CPU_CASES["ragged"])

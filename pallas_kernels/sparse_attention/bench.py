@@ -47,6 +47,8 @@ MGPU_VARIANTS = {
     "q_overlap": kernel_mgpu.TuningConfig(q_overlap=True),
     "behind_pv": kernel_mgpu.TuningConfig(gather="behind_pv"),
     "behind_pv_q_overlap": kernel_mgpu.TuningConfig(gather="behind_pv", q_overlap=True),
+    "pipelined": kernel_mgpu.TuningConfig(kernel="pipelined"),
+    "pipelined_splits1": kernel_mgpu.TuningConfig(kernel="pipelined", splits=1),
     "no_topk_rows": kernel_mgpu.TuningConfig(ablation="no_topk_rows"),
     "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
     "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
@@ -54,7 +56,8 @@ MGPU_VARIANTS = {
 """Mosaic GPU configurations the command line can add by label (`--variants`): the
 warp-specialized kernel, split-KV off, each chunk's loads at its start (the default before
 2026-12-06 at every batch), the staged gather (`cp.async`), q awaited at the first product, the
-next chunk's loads behind PV (alone and with q awaited late), and the default kernel
+next chunk's loads behind PV (alone and with q awaited late), the two-tile kernel that decodes
+the next chunk during PV (with its splits, and at one split), and the default kernel
 without the top-k rows' gather and decode, without the gather alone, or without the decode alone
 (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
 

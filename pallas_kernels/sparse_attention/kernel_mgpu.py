@@ -217,6 +217,9 @@ def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
 ABLATIONS = ("no_topk_rows", "no_topk_gather", "no_topk_decode")
 """`TuningConfig.ablation`'s measurement aids (wrong results, timings only)."""
 
+KERNELS = ("exchange", "specialized", "pipelined")
+"""`TuningConfig.kernel`: the kernel's structure (its docstring says each)."""
+
 GATHERS = ("registers", "async", "behind_pv")
 """`TuningConfig.gather`: how a top-k chunk's packed rows reach the decode."""
 
@@ -235,7 +238,9 @@ class TuningConfig:
         while two consumer warpgroups each compute QK^T over the full D, the softmax and PV.
         Slower on the H200 (2026-12-04, `NOTES.md`): kernel 33.4 µs against 26.2 at batch 64,
         64.5 against 50.4 at 128. GPU only: the interpreter does not finish three warpgroups
-        on a 2-core CPU.
+        on a 2-core CPU. 'pipelined': `_pipelined_kernel`, two warpgroups and two key tiles;
+        each decodes its half of the next chunk into the other tile while its PV of this one
+        runs, and computes QK^T over the full D (no logit exchange). Not yet timed.
       prefetch: ('exchange' only) load the packed rows of the next top-k chunk while this
         one computes. Off by default: on the H200 (2026-11-29) it cost 1.6 µs at batch 64 and
         2.7 µs at 128, presumably through its 18 extra live registers (ptxas already reported
@@ -305,8 +310,10 @@ class TuningConfig:
             )
         if self.q_overlap and self.kernel != "exchange":
             raise ValueError(f"q_overlap: only with kernel='exchange', got kernel={self.kernel!r}")
-        if self.kernel not in ("specialized", "exchange"):
-            raise ValueError(f"kernel: expected 'specialized' or 'exchange', got {self.kernel!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel: expected one of {KERNELS}, got {self.kernel!r}")
+        if self.prefetch and self.kernel != "exchange":
+            raise ValueError(f"prefetch: only with kernel='exchange', got kernel={self.kernel!r}")
         if self.dequant not in ("ptx", "jnp"):
             raise ValueError(f"dequant: expected 'ptx' or 'jnp', got {self.dequant!r}")
         if self.splits is not None and self.splits < 1:
@@ -1134,6 +1141,147 @@ def _exchange_kernel(
     )
 
 
+def _pipelined_kernel(
+    q_ref,
+    kv_ref,
+    win_ref,
+    slots_ref,
+    sink_ref,
+    o_ref,
+    lse_ref,
+    q_smem,
+    k_smem,
+    slots_smem,
+    sink_smem,
+    lse_smem,
+    load_barriers,
+    full_barriers,
+    p_smem=None,
+    *,
+    geometry: _Geometry,
+    n_window_chunks: int,
+    n_topk_chunks: int,
+    splits: int,
+    logit_scale: float,
+    dequant: _Dequant,
+    interpret: bool,
+):
+    """Two key tiles, no logit exchange (`TuningConfig(kernel='pipelined')`): k_smem holds
+    [2 tiles, 2 halves of D, 64 keys, D/2]; chunk c lives in tile c % 2. Warpgroup w decodes
+    half w of every chunk, as in the exchange kernel, but into the other tile and while its PV
+    of the chunk before runs:
+
+    1. at a chunk's start, the loads of the next top-k chunk's words (this thread's share) are
+       issued; they fly during the QK^T and the softmax;
+    2. wait until both warpgroups have decoded this chunk (`full_barriers[c % 2]`, 256
+       arrivals), then S = Q·K^T over the full D (two wgmma 64×64×D/2: both warpgroups compute
+       the same logits, 1.5 times the exchange kernel's tensor work per chunk, but no partial
+       logits through shared memory and no barrier between the products);
+    3. the online softmax, then PV into this warpgroup's half of the output (K = V, its half
+       of the tile), issued and not awaited: the decode of the next chunk into the other tile
+       (the window's E4M3 or the loaded words' NVFP4) runs while PV computes, then arrives on
+       that tile's barrier.
+
+    A tile is rewritten two chunks after it was read: by this warpgroup's own QK^T and PV,
+    awaited (the decode's warpgroup barrier covers its four warps), and by the other
+    warpgroup's QK^T, awaited before that one decoded the chunk in between and arrived on the
+    barrier this one waited at. Its last PV leaves the tile of the chunk before the last one
+    unread, and the output goes through it (q is read by both warpgroups' QK^T)."""
+    b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    half = geometry.half
+    heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
+    q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
+    slots_bar = load_barriers.at[1]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
+
+    plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
+    plgpu.barrier_wait(slots_bar)
+    plgpu.barrier_wait(sink_bar)
+    kv_rows, win_rows = kv_ref.at[b], win_ref.at[b]
+    lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
+
+    def chunk_slots(chunk):
+        return slots_smem.at[chunk]
+
+    def load(chunk):
+        """This thread's words of top-k chunk `chunk`, clamped to a real top-k chunk: for a
+        window chunk (decoded from its rows, not from these) or past the split, the words go
+        unused."""
+        topk = jnp.clip(chunk - n_window_chunks, 0, n_topk_chunks - 1)
+        return dequant.load(kv_rows, chunk_slots(n_window_chunks + topk))
+
+    def decode(chunk, raw):
+        """Writes this warpgroup's half of `chunk` into its tile and arrives on its barrier."""
+        tile = chunk % 2
+        dst = k_smem.at[tile, wg]
+
+        @pl.when(chunk < n_window_chunks)
+        def _():
+            dequant.window(win_rows, chunk_slots(chunk), dst)
+
+        @pl.when(chunk >= n_window_chunks)
+        def _():
+            dequant.store(raw, dst, kv_rows, chunk_slots(chunk))
+
+        plgpu.commit_smem()  # ordinary stores, read by the wgmmas (the async proxy)
+        plgpu.barrier_arrive(full_barriers.at[tile])
+
+    decode(lo, load(lo))
+    for other in range(2):  # QK^T reads both halves of q
+        plgpu.barrier_wait(load_barriers.at[3 * other])
+
+    def step(c, carry):
+        acc, m, denom = carry
+        raw_next = load(c + 1)
+        tile = k_smem.at[c % 2]
+        plgpu.barrier_wait(full_barriers.at[c % 2])
+
+        def qk(s_ref):
+            for h in range(2):
+                plgpu.wgmma(s_ref, q_smem.at[h], tile.at[h].T)
+            return s_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_HEADS, BLOCK_KV), jnp.float32))
+        p16, acc, m, denom = _softmax_step(s, chunk_slots(c), acc, m, denom, logit_scale)
+
+        def decode_next():
+            @pl.when(c + 1 < hi)
+            def _():
+                decode(c + 1, raw_next)
+
+        if interpret:
+            acc = _pv_in_interpreter(acc, p16, p_smem.at[wg], tile.at[wg])
+            decode_next()
+            return acc, m, denom
+
+        def pv(acc_ref):  # the next chunk's decode runs while the wgmma does
+            plgpu.wgmma(acc_ref, p16, tile.at[wg])
+            decode_next()
+
+        return pl.run_state(pv)(plgpu.ACC.init(acc)), m, denom
+
+    carry = _open_softmax(sink_smem.at[wg], half, split)
+    acc, m, denom = lax.fori_loop(lo, hi, step, carry)
+    _write_output(
+        acc,
+        m,
+        denom,
+        k_smem.at[hi % 2, wg],
+        o_ref,
+        lse_ref,
+        lse_smem,
+        b=b,
+        split=split,
+        heads=heads,
+        splits=splits,
+    )
+
+
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
@@ -1234,12 +1382,23 @@ def fp4_sparse_attention_mgpu(
         logit_scale=scale * _LOG2E,
         interpret=interpret,
     )
-    # Shared memory (D = 512, 10 chunks): q 64 KB, then keys 128 KB (two tiles) or keys 64 KB
-    # and the logit exchange 64 KB (the first kernel), the slots 7.5 or 2.5 KB (the first
-    # kernel's warpgroups read one copy); the staged gather's words 20 KB (the first kernel
-    # with gather='async').
+    # Shared memory (D = 512, 10 chunks): q 64 KB, then keys 128 KB (two tiles: the
+    # specialized and the pipelined kernel) or keys 64 KB and the logit exchange 64 KB (the
+    # first kernel), the slots 7.5 KB (specialized: one copy per warpgroup) or 2.5 KB; the
+    # staged gather's words 20 KB (the first kernel with gather='async').
     optional = []  # scratch after the barriers, before P's buffer in the interpreter
-    if config.kernel == "specialized":
+    if config.kernel == "pipelined":
+        kernel = functools.partial(_pipelined_kernel, dequant=make_dequant(geometry), **statics)
+        warpgroups = 2
+        middle = [
+            plgpu.SMEM((2, 2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
+            plgpu.SMEM((n_chunks, BLOCK_KV), jnp.int32),  # both warpgroups read one copy
+        ]
+        barriers = [
+            plgpu.Barrier(num_barriers=6),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # a tile decoded: both warpgroups
+        ]
+    elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
         warpgroups = 3
