@@ -374,9 +374,9 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(gather="behind_pv", ablation="no_topk_rows")
     with pytest.raises(ValueError, match="q_overlap: only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(q_overlap=True, kernel="specialized")
-    with pytest.raises(ValueError, match="prefetch: only with kernel='exchange'.*'pipelined'"):
+    with pytest.raises(ValueError, match=r"prefetch: only with kernel='exchange'.*'pipelined'"):
         kernel_mgpu.TuningConfig(prefetch=True, kernel="pipelined")
-    with pytest.raises(ValueError, match="kernel: expected one of .*'pipelined'.*got 'fused'"):
+    with pytest.raises(ValueError, match=r"kernel: expected one of .*'pipelined'.*got 'fused'"):
         kernel_mgpu.TuningConfig(kernel="fused")
     with pytest.raises(ValueError, match="ablation"):
         kernel_mgpu.TuningConfig(ablation="no_window")
