@@ -258,14 +258,26 @@ if [[ $stage == gather_default ]]; then
     --variants registers behind_pv --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
 fi
 if [[ $stage == pipelined ]]; then
-  # The eleventh session's: the two-tile kernel (`TuningConfig(kernel='pipelined')`), its GPU
-  # tests, then the benchmark beside the default and both gathers set. Guards 500 s.
-  timeout -s INT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_sparse_attention_kernel.py -k pipelined 2>&1 | tee "$OUT/gpu_tests_attention.log" \
-    | tail -3 || status=1
-  timeout -s INT 200 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+  # The eleventh session's: the two-tile kernel (`TuningConfig(kernel='pipelined')`): the
+  # benchmark beside the default and both gathers set, ptxas's register and spill report for
+  # it and the default at batch 128 (Mosaic GPU's PTX dump, assembled again), then its GPU
+  # tests. Guards 530 s.
+  timeout -s INT 180 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
     --variants pipelined pipelined_splits1 registers behind_pv \
     --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
+  for variant in default pipelined_splits1; do
+    rm -rf /tmp/ptx_$variant
+    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_$variant timeout -s INT 60 "$PY" \
+      -m pallas_kernels.profile attention --batch 128 --variant $variant --calls 1 || status=1
+    for ptx in /tmp/ptx_$variant/*.ptx; do
+      echo "== $variant $(basename "$ptx")"
+      ptxas -arch=sm_90a -O3 -v "$ptx" -o /dev/null 2>&1 | grep -E "registers|spill"
+    done
+  done 2>&1 | tee "$OUT/ptxas_attention.txt"
+  (cd /tmp && tar czf "$OUT/ptx_attention.tgz" ptx_default ptx_pipelined_splits1) || status=1
+  timeout -s INT 290 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k pipelined 2>&1 | tee "$OUT/gpu_tests_attention.log" \
+    | tail -3 || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took
