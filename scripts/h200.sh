@@ -257,24 +257,34 @@ if [[ $stage == gather_default ]]; then
   timeout -s INT 200 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
     --variants registers behind_pv --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
 fi
-if [[ $stage == pipelined ]]; then
-  # The eleventh session's: the two-tile kernel (`TuningConfig(kernel='pipelined')`): the
-  # benchmark beside the default and both gathers set, ptxas's register and spill report for
-  # it and the default at batch 128 (Mosaic GPU's PTX dump, assembled again), then its GPU
-  # tests. Guards 530 s.
-  timeout -s INT 180 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
-    --variants pipelined pipelined_splits1 registers behind_pv \
-    --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
-  for variant in default pipelined_splits1; do
-    rm -rf /tmp/ptx_$variant
+if [[ $stage == attention_ptxas ]]; then
+  # ptxas's register and spill report of the attention kernel at batch 128, per `profile.py`
+  # variant (VARIANTS, default: the default and the two-tile kernel at one split): Mosaic GPU's
+  # PTX dump, assembled again (`ptxas -v`), which need not be byte for byte its own compile.
+  variants=${VARIANTS:-default pipelined_splits1}
+  for variant in $variants; do
+    rm -rf /tmp/ptx_$variant && mkdir -p /tmp/ptx_$variant  # the dump goes to stdout without it
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_$variant timeout -s INT 60 "$PY" \
-      -m pallas_kernels.profile attention --batch 128 --variant $variant --calls 1 || status=1
+      -m pallas_kernels.profile attention --batch 128 --variant $variant --calls 1 >/dev/null \
+      || status=1
     for ptx in /tmp/ptx_$variant/*.ptx; do
       echo "== $variant $(basename "$ptx")"
       ptxas -arch=sm_90a -O3 -v "$ptx" -o /dev/null 2>&1 | grep -E "registers|spill"
     done
   done 2>&1 | tee "$OUT/ptxas_attention.txt"
-  (cd /tmp && tar czf "$OUT/ptx_attention.tgz" ptx_default ptx_pipelined_splits1) || status=1
+  dirs=()
+  for variant in $variants; do dirs+=("ptx_$variant"); done
+  (cd /tmp && tar czf "$OUT/ptx_attention.tgz" "${dirs[@]}") || status=1
+  grep -q registers "$OUT/ptxas_attention.txt" || status=1
+fi
+if [[ $stage == pipelined ]]; then
+  # The eleventh session's: the two-tile kernel (`TuningConfig(kernel='pipelined')`): the
+  # benchmark beside the default and both gathers set, ptxas's register and spill report for
+  # it and the default at batch 128 (stage attention_ptxas), then its GPU tests. Guards 530 s.
+  timeout -s INT 180 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --variants pipelined pipelined_splits1 registers behind_pv \
+    --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
+  bash "$0" attention_ptxas || status=1
   timeout -s INT 290 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_sparse_attention_kernel.py -k pipelined 2>&1 | tee "$OUT/gpu_tests_attention.log" \
     | tail -3 || status=1
