@@ -259,9 +259,9 @@ if [[ $stage == gather_default ]]; then
 fi
 if [[ $stage == attention_ptxas ]]; then
   # ptxas's register and spill report of the attention kernel at batch 128, per `profile.py`
-  # variant (VARIANTS, default: the default and the two-tile kernel at one split): Mosaic GPU's
+  # variant (VARIANTS, default: the default and the two-tile kernel's two gathers): Mosaic GPU's
   # PTX dump, assembled again (`ptxas -v`), which need not be byte for byte its own compile.
-  variants=${VARIANTS:-default pipelined_splits1}
+  variants=${VARIANTS:-default pipelined pipelined_async}
   for variant in $variants; do
     rm -rf /tmp/ptx_$variant && mkdir -p /tmp/ptx_$variant  # the dump goes to stdout without it
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_$variant timeout -s INT 60 "$PY" \
@@ -282,7 +282,7 @@ if [[ $stage == pipelined ]]; then
   # benchmark beside the default and both gathers set, ptxas's register and spill report for
   # it and the default at batch 128 (stage attention_ptxas), then its GPU tests. Guards 530 s.
   timeout -s INT 180 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
-    --variants pipelined pipelined_splits1 registers behind_pv \
+    --variants pipelined pipelined_async registers behind_pv \
     --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
   bash "$0" attention_ptxas || status=1
   timeout -s INT 290 "$PY" -m pytest -m gpu -q -p no:cacheprovider \

@@ -27,14 +27,16 @@ declare -A PROFILES=(
   [attention_b128_no_topk_rows]="attention --batch 128 --variant no_topk_rows"
   [attention_b128_registers]="attention --batch 128 --variant registers"
   [attention_b128_async_gather]="attention --batch 128 --variant async_gather"
-  [attention_b128_pipelined]="attention --batch 128 --variant pipelined_splits1"
+  [attention_b128_pipelined]="attention --batch 128 --variant pipelined"
+  [attention_b128_pipelined_async]="attention --batch 128 --variant pipelined_async"
   [attention_b64_pipelined]="attention --batch 64 --variant pipelined"
   [pooled]="pooled"
   [scan]="scan"
 )
 names=("$@")
 [[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_no_topk_rows attention_b128_registers
-  attention_b128_async_gather attention_b128_pipelined attention_b64_pipelined pooled scan)
+  attention_b128_async_gather attention_b128_pipelined attention_b128_pipelined_async
+  attention_b64_pipelined pooled scan)
 status=0
 for name in "${names[@]}"; do
   args=${PROFILES[$name]:-}

@@ -201,6 +201,7 @@ ATTENTION_VARIANTS = {
     "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "pipelined": kernel_mgpu.TuningConfig(kernel="pipelined"),
+    "pipelined_async": kernel_mgpu.TuningConfig(kernel="pipelined", gather="async"),
 }
 
 

@@ -322,26 +322,31 @@ def test_q_overlap_matches_reference_gpu(case, splits):
     check_variant_compiled(kernel_mgpu.TuningConfig(q_overlap=True, splits=splits), case, 14)
 
 
-@pytest.mark.parametrize("splits", (None, 3))
-def test_pipelined_kernel_matches_reference(splits):
+@pytest.mark.parametrize(("gather", "splits"), [(None, None), (None, 3), ("async", 3)])
+def test_pipelined_kernel_matches_reference(gather, splits):
     """`TuningConfig(kernel='pipelined')`: two key tiles, the next chunk decoded while PV runs,
     QK^T over the full D. The interpreter's decode reads the words it is given (loaded one
     chunk ahead), and its barrier checks see a tile read before both halves were written;
     three splits start one split in the window and the others in the top-k, so the first
     chunk of a split is decoded from either source, and a split's last chunk has none after
-    it."""
-    tuning = kernel_mgpu.TuningConfig(kernel="pipelined", splits=splits)
-    check_variant_interpreted(tuning, ("ragged", "no_window", "dim512", "empty_row"), 17)
+    it. With gather='async' the interpreter's copies are the decode's own gather (so the
+    order of copies and waits is the GPU test's below)."""
+    tuning = kernel_mgpu.TuningConfig(kernel="pipelined", gather=gather, splits=splits)
+    cases = ("ragged", "no_window", "dim512", "empty_row")
+    check_variant_interpreted(tuning, cases[:2] if gather else cases, 17)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (None, 1, 3))
-def test_pipelined_kernel_matches_reference_gpu(case, splits):
+@pytest.mark.parametrize("gather", (None, "async"))
+def test_pipelined_kernel_matches_reference_gpu(case, splits, gather):
     """The two-tile kernel compiled: every case against the definition, the same bits twice;
-    its PV in flight while the next chunk's PTX decode runs."""
-    check_variant_compiled(kernel_mgpu.TuningConfig(kernel="pipelined", splits=splits), case, 18)
+    its PV in flight while the next chunk's PTX decode runs, from words loaded into registers
+    or copied into shared memory (`cp.async`, each group awaited before the next)."""
+    tuning = kernel_mgpu.TuningConfig(kernel="pipelined", gather=gather, splits=splits)
+    check_variant_compiled(tuning, case, 18)
 
 
 def test_the_default_gather_loads_behind_pv_only_for_one_split():
@@ -366,6 +371,8 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(gather="tma")
     with pytest.raises(ValueError, match="gather: 'async' only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(gather="async", kernel="specialized")
+    with pytest.raises(ValueError, match="gather: 'behind_pv' only with kernel='exchange'"):
+        kernel_mgpu.TuningConfig(gather="behind_pv", kernel="pipelined")
     with pytest.raises(ValueError, match="prefetch=True"):
         kernel_mgpu.TuningConfig(gather="async", prefetch=True)
     with pytest.raises(ValueError, match="gather: 'behind_pv' only with kernel='exchange'"):

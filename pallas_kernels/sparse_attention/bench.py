@@ -49,6 +49,7 @@ MGPU_VARIANTS = {
     "behind_pv_q_overlap": kernel_mgpu.TuningConfig(gather="behind_pv", q_overlap=True),
     "pipelined": kernel_mgpu.TuningConfig(kernel="pipelined"),
     "pipelined_splits1": kernel_mgpu.TuningConfig(kernel="pipelined", splits=1),
+    "pipelined_async": kernel_mgpu.TuningConfig(kernel="pipelined", gather="async"),
     "no_topk_rows": kernel_mgpu.TuningConfig(ablation="no_topk_rows"),
     "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
     "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
@@ -57,7 +58,8 @@ MGPU_VARIANTS = {
 warp-specialized kernel, split-KV off, each chunk's loads at its start (the default before
 2026-12-06 at every batch), the staged gather (`cp.async`), q awaited at the first product, the
 next chunk's loads behind PV (alone and with q awaited late), the two-tile kernel that decodes
-the next chunk during PV (with its splits, and at one split), and the default kernel
+the next chunk during PV (with its splits, at one split, and with its words staged by
+`cp.async`), and the default kernel
 without the top-k rows' gather and decode, without the gather alone, or without the decode alone
 (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
 

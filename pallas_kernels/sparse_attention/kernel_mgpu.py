@@ -300,13 +300,16 @@ class TuningConfig:
             raise ValueError(f"ablation: only with kernel='exchange', got kernel={self.kernel!r}")
         if self.gather is not None and self.gather not in GATHERS:
             raise ValueError(f"gather: expected None or one of {GATHERS}, got {self.gather!r}")
-        if self.gather not in (None, "registers") and (
-            self.kernel != "exchange" or self.prefetch or self.ablation is not None
+        pipelined_async = self.kernel == "pipelined" and self.gather == "async"
+        if (
+            self.gather not in (None, "registers")
+            and not pipelined_async
+            and (self.kernel != "exchange" or self.prefetch or self.ablation is not None)
         ):
             raise ValueError(
-                f"gather: {self.gather!r} only with kernel='exchange', prefetch=False and no "
-                f"ablation, got kernel={self.kernel!r}, prefetch={self.prefetch}, "
-                f"ablation={self.ablation!r}"
+                f"gather: {self.gather!r} only with kernel='exchange' (or 'async' with "
+                f"kernel='pipelined'), prefetch=False and no ablation, got "
+                f"kernel={self.kernel!r}, prefetch={self.prefetch}, ablation={self.ablation!r}"
             )
         if self.q_overlap and self.kernel != "exchange":
             raise ValueError(f"q_overlap: only with kernel='exchange', got kernel={self.kernel!r}")
@@ -1167,14 +1170,14 @@ def _pipelined_kernel(
     lse_smem,
     load_barriers,
     full_barriers,
-    p_smem=None,
-    *,
+    *optional,
     geometry: _Geometry,
     n_window_chunks: int,
     n_topk_chunks: int,
     splits: int,
     logit_scale: float,
     dequant: _Dequant,
+    gather: str,
     interpret: bool,
 ):
     """Two key tiles, no logit exchange (`TuningConfig(kernel='pipelined')`): k_smem holds
@@ -1183,7 +1186,12 @@ def _pipelined_kernel(
     of the chunk before runs:
 
     1. at a chunk's start, the loads of the next top-k chunk's words (this thread's share) are
-       issued; they fly during the QK^T and the softmax;
+       issued; they fly during the QK^T and the softmax. With gather='async' they are
+       `cp.async` copies into this thread's slots of shared memory (`optional`'s first
+       scratch, [2 warpgroups, quads, 128, 4]), issued only for a top-k chunk of the split,
+       so every group of copies is awaited (by the decode) before the next is issued; else
+       loads into registers, which ptxas may move down to their use (at 255 registers it
+       did: NOTES.md);
     2. wait until both warpgroups have decoded this chunk (`full_barriers[c % 2]`, 256
        arrivals), then S = Q·K^T over the full D (two wgmma 64×64×D/2: both warpgroups compute
        the same logits, 1.5 times the exchange kernel's tensor work per chunk, but no partial
@@ -1198,6 +1206,10 @@ def _pipelined_kernel(
     warpgroup's QK^T, awaited before that one decoded the chunk in between and arrived on the
     barrier this one waited at. Its last PV leaves the tile of the chunk before the last one
     unread, and the output goes through it (q is read by both warpgroups' QK^T)."""
+    optional = list(optional)
+    staging = optional.pop(0).at[lax.axis_index("wg")] if gather == "async" else None
+    p_smem = optional.pop(0) if interpret else None
+    assert not optional, optional
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     half = geometry.half
@@ -1220,9 +1232,17 @@ def _pipelined_kernel(
         return slots_smem.at[chunk]
 
     def load(chunk):
-        """This thread's words of top-k chunk `chunk`, clamped to a real top-k chunk: for a
-        window chunk (decoded from its rows, not from these) or past the split, the words go
-        unused."""
+        """Starts bringing this thread's words of `chunk`: with gather='async' its copies
+        into `staging` where `chunk` is a top-k chunk of the split (None comes back); else its
+        loads into registers, clamped to a real top-k chunk (for a window chunk, decoded from
+        its rows, or past the split, the words go unused)."""
+        if gather == "async":
+
+            @pl.when((chunk >= n_window_chunks) & (chunk < hi))
+            def _():
+                dequant.stage(kv_rows, chunk_slots(chunk), staging)
+
+            return None
         topk = jnp.clip(chunk - n_window_chunks, 0, n_topk_chunks - 1)
         return dequant.load(kv_rows, chunk_slots(n_window_chunks + topk))
 
@@ -1237,7 +1257,10 @@ def _pipelined_kernel(
 
         @pl.when(chunk >= n_window_chunks)
         def _():
-            dequant.store(raw, dst, kv_rows, chunk_slots(chunk))
+            if gather == "async":
+                dequant.store_staged(staging, dst, kv_rows, chunk_slots(chunk))
+            else:
+                dequant.store(raw, dst, kv_rows, chunk_slots(chunk))
 
         plgpu.commit_smem()  # ordinary stores, read by the wgmmas (the async proxy)
         plgpu.barrier_arrive(full_barriers.at[tile])
@@ -1403,7 +1426,10 @@ def fp4_sparse_attention_mgpu(
     # staged gather's words 20 KB (the first kernel with gather='async').
     optional = []  # scratch after the barriers, before P's buffer in the interpreter
     if config.kernel == "pipelined":
-        kernel = functools.partial(_pipelined_kernel, dequant=make_dequant(geometry), **statics)
+        gather = config.gather_for(splits)
+        kernel = functools.partial(
+            _pipelined_kernel, dequant=make_dequant(geometry), gather=gather, **statics
+        )
         warpgroups = 2
         middle = [
             plgpu.SMEM((2, 2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
@@ -1413,6 +1439,8 @@ def fp4_sparse_attention_mgpu(
             plgpu.Barrier(num_barriers=6),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # a tile decoded: both warpgroups
         ]
+        if gather == "async":  # `_pipelined_kernel`'s optional scratch, first
+            optional.append(plgpu.SMEM((2, geometry.staged_quads, WARPGROUP, 4), jnp.int32))
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
