@@ -11,7 +11,8 @@
 #                                   # (the sixth session's) | attention_async |
 #                                   # launch_cuts (the seventh's) | row_default (the eighth's)
 #                                   # | q_overlap (the ninth's; scripts/ncu.sh: its profiles)
-#                                   # | gather_default (the tenth's) | pipelined (the eleventh's)
+#                                   # | gather_default (the tenth's) | pipelined | pipelined_default
+#                                   # | attention_ptxas (the eleventh's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -288,6 +289,21 @@ if [[ $stage == pipelined ]]; then
   timeout -s INT 290 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_sparse_attention_kernel.py -k pipelined 2>&1 | tee "$OUT/gpu_tests_attention.log" \
     | tail -3 || status=1
+fi
+if [[ $stage == pipelined_default ]]; then
+  # The eleventh session's, after the two-tile kernel with its staged words became the default:
+  # the attention GPU tests that run the default or the exchange kernel's own defaults (the
+  # other variants' code did not change; the pipelined kernel's ran in stage `pipelined`), then
+  # the benchmark twice beside the former default. Guards 520 s.
+  timeout -s INT 280 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py \
+    -k "not specialized and not carried and not q_overlap and not async_gather and not pipelined" \
+    2>&1 | tee "$OUT/gpu_tests_attention.log" | tail -3 || status=1
+  for run in 1 2; do
+    timeout -s INT 120 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+      --variants exchange pipelined registers behind_pv \
+      --out "$OUT/bench_sparse_attention_run$run.json" >/dev/null || status=1
+  done
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

@@ -160,9 +160,9 @@ def test_fp4_sparse_attention_lowers(backend, heads):
 
 @pytest.mark.parametrize("ablation", kernel_mgpu.ABLATIONS)
 def test_the_attention_kernels_leave_one_out_variants_lower(ablation):
-    """`TuningConfig(ablation=...)` (the benchmark's leave-one-out timings) lowers, and a config
-    it does not apply to is refused by name."""
-    tuning = kernel_mgpu.TuningConfig(ablation=ablation)
+    """`TuningConfig(kernel="exchange", ablation=...)` (the benchmark's leave-one-out
+    timings) lowers, and a config it does not apply to is refused by name."""
+    tuning = kernel_mgpu.TuningConfig(kernel="exchange", ablation=ablation)
     attend = functools.partial(
         attention_api.fp4_sparse_attention,
         implementation="pallas",
@@ -170,7 +170,7 @@ def test_the_attention_kernels_leave_one_out_variants_lower(ablation):
     )
     lowers_to(attend, *attention_args(64), mosaic_gpu=1)
     with pytest.raises(ValueError, match="ablation: expected None or one of"):
-        kernel_mgpu.TuningConfig(ablation="no_decode")
+        kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_decode")
     with pytest.raises(ValueError, match="ablation: only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(kernel="specialized", ablation=ablation)
 
@@ -180,7 +180,7 @@ def test_the_attention_kernel_fits_the_top_k_its_docstring_names(gather, topk):
     """`kernel_mgpu.supports`' docstring: shared memory holds every chunk's slots, enough for a
     top-k of 4,096 (2,048 with the staged gather) beside a window of 128 at D = 512; twice as
     many is refused by Mosaic GPU's own check, by name."""
-    tuning = kernel_mgpu.TuningConfig(gather=gather)
+    tuning = kernel_mgpu.TuningConfig(kernel="exchange", gather=gather)
     attend = functools.partial(
         attention_api.fp4_sparse_attention,
         implementation="pallas",
@@ -192,16 +192,16 @@ def test_the_attention_kernel_fits_the_top_k_its_docstring_names(gather, topk):
 
 
 ATTENTION_VARIANTS = {
-    "exchange": kernel_mgpu.TuningConfig(),
-    "prefetch": kernel_mgpu.TuningConfig(prefetch=True),
-    "async_gather": kernel_mgpu.TuningConfig(gather="async"),
-    "q_overlap": kernel_mgpu.TuningConfig(q_overlap=True),
-    "behind_pv": kernel_mgpu.TuningConfig(gather="behind_pv"),
-    "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
-    "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
+    "default": kernel_mgpu.TuningConfig(),
+    "exchange": kernel_mgpu.TuningConfig(kernel="exchange"),
+    "prefetch": kernel_mgpu.TuningConfig(kernel="exchange", prefetch=True),
+    "async_gather": kernel_mgpu.TuningConfig(kernel="exchange", gather="async"),
+    "q_overlap": kernel_mgpu.TuningConfig(kernel="exchange", q_overlap=True),
+    "behind_pv": kernel_mgpu.TuningConfig(kernel="exchange", gather="behind_pv"),
+    "no_topk_gather": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_gather"),
+    "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
-    "pipelined": kernel_mgpu.TuningConfig(kernel="pipelined"),
-    "pipelined_async": kernel_mgpu.TuningConfig(kernel="pipelined", gather="async"),
+    "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
 }
 
 

@@ -259,7 +259,7 @@ def test_async_gather_matches_reference(splits):
     while this chunk computes. Interpreted, the copies are the jnp gather itself, so this
     checks the kernel's order of steps (the first chunk staged before the window's, each
     chunk's decode before the next one's copies); the PTX path is the GPU test's below."""
-    tuning = kernel_mgpu.TuningConfig(gather="async", splits=splits)
+    tuning = kernel_mgpu.TuningConfig(kernel="exchange", gather="async", splits=splits)
     check_variant_interpreted(tuning, ("ragged", "no_window", "dim512"), 11)
 
 
@@ -271,12 +271,14 @@ def test_async_gather_matches_reference_gpu(case, splits):
     """The staged gather compiled (`cp.async` copies, each thread reading back its own words):
     every case, the empty row and the top-k-less one included, against the definition, and
     the same bits twice."""
-    check_variant_compiled(kernel_mgpu.TuningConfig(gather="async", splits=splits), case, 10)
+    check_variant_compiled(
+        kernel_mgpu.TuningConfig(kernel="exchange", gather="async", splits=splits), case, 10
+    )
 
 
 CARRYING_VARIANTS = {
-    "prefetch": kernel_mgpu.TuningConfig(prefetch=True),
-    "behind_pv": kernel_mgpu.TuningConfig(gather="behind_pv"),
+    "prefetch": kernel_mgpu.TuningConfig(kernel="exchange", prefetch=True),
+    "behind_pv": kernel_mgpu.TuningConfig(kernel="exchange", gather="behind_pv"),
 }
 """Variants that load a top-k chunk's words one step ahead and carry them into the next."""
 
@@ -305,11 +307,11 @@ def test_words_carried_to_the_next_chunk_are_that_chunks_gpu(variant, splits, ca
 
 @pytest.mark.parametrize("splits", (None, 3))
 def test_q_overlap_matches_reference(splits):
-    """`TuningConfig(q_overlap=True)`: q's copy awaited only before each split's first QK^T.
-    Three splits over the window-then-top-k chunks start one split in the window and others in
-    the top-k, so both loops hold a first chunk; the interpreter's race check sees the q
-    buffer read before its copy landed, if the wait came too late."""
-    tuning = kernel_mgpu.TuningConfig(q_overlap=True, splits=splits)
+    """`TuningConfig(kernel="exchange", q_overlap=True)`: q's copy awaited only before each
+    split's first QK^T. Three splits over the window-then-top-k chunks start one split in the
+    window and others in the top-k, so both loops hold a first chunk; the interpreter's race
+    check sees the q buffer read before its copy landed, if the wait came too late."""
+    tuning = kernel_mgpu.TuningConfig(kernel="exchange", q_overlap=True, splits=splits)
     check_variant_interpreted(tuning, ("ragged", "no_window", "dim512"), 13)
 
 
@@ -319,28 +321,50 @@ def test_q_overlap_matches_reference(splits):
 @pytest.mark.parametrize("splits", (None, 3))
 def test_q_overlap_matches_reference_gpu(case, splits):
     """q's copy awaited at the first product, compiled: every case against the definition."""
-    check_variant_compiled(kernel_mgpu.TuningConfig(q_overlap=True, splits=splits), case, 14)
+    check_variant_compiled(
+        kernel_mgpu.TuningConfig(kernel="exchange", q_overlap=True, splits=splits), case, 14
+    )
 
 
-@pytest.mark.parametrize(("gather", "splits"), [(None, None), (None, 3), ("async", 3)])
+@pytest.mark.parametrize("splits", (None, 2))
+def test_exchange_kernel_matches_reference(splits):
+    """`TuningConfig(kernel='exchange')`, the default before the pipelined kernel: one key tile,
+    the partial logits exchanged; at one split its words load behind PV, with two at each
+    chunk's start (`gather_for`)."""
+    tuning = kernel_mgpu.TuningConfig(kernel="exchange", splits=splits)
+    check_variant_interpreted(tuning, ("ragged", "empty_row"), 19)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
+@pytest.mark.parametrize("splits", (None, 1, 2))
+def test_exchange_kernel_matches_reference_gpu(case, splits):
+    """The exchange kernel compiled, at its own default gathers: every case against the
+    definition, the same bits twice."""
+    check_variant_compiled(kernel_mgpu.TuningConfig(kernel="exchange", splits=splits), case, 20)
+
+
+@pytest.mark.parametrize(("gather", "splits"), [("registers", None), ("registers", 3), (None, 3)])
 def test_pipelined_kernel_matches_reference(gather, splits):
-    """`TuningConfig(kernel='pipelined')`: two key tiles, the next chunk decoded while PV runs,
-    QK^T over the full D. The interpreter's decode reads the words it is given (loaded one
-    chunk ahead), and its barrier checks see a tile read before both halves were written;
-    three splits start one split in the window and the others in the top-k, so the first
-    chunk of a split is decoded from either source, and a split's last chunk has none after
-    it. With gather='async' the interpreter's copies are the decode's own gather (so the
+    """`TuningConfig(kernel='pipelined')` (the default): two key tiles, the next chunk decoded
+    while PV runs, QK^T over the full D. With gather='registers' the interpreter's decode reads
+    the words it is given (loaded one chunk ahead), and its barrier checks see a tile read
+    before both halves were written; three splits start one split in the window and the others
+    in the top-k, so the first chunk of a split is decoded from either source, and a split's
+    last chunk has none after it. With the default gather ('async') the interpreter's copies
+    are the decode's own gather (so the
     order of copies and waits is the GPU test's below)."""
     tuning = kernel_mgpu.TuningConfig(kernel="pipelined", gather=gather, splits=splits)
     cases = ("ragged", "no_window", "dim512", "empty_row")
-    check_variant_interpreted(tuning, cases[:2] if gather else cases, 17)
+    check_variant_interpreted(tuning, cases if gather == "registers" else cases[:2], 17)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (None, 1, 3))
-@pytest.mark.parametrize("gather", (None, "async"))
+@pytest.mark.parametrize("gather", ("registers", None))
 def test_pipelined_kernel_matches_reference_gpu(case, splits, gather):
     """The two-tile kernel compiled: every case against the definition, the same bits twice;
     its PV in flight while the next chunk's PTX decode runs, from words loaded into registers
@@ -349,21 +373,29 @@ def test_pipelined_kernel_matches_reference_gpu(case, splits, gather):
     check_variant_compiled(tuning, case, 18)
 
 
-def test_the_default_gather_loads_behind_pv_only_for_one_split():
-    """`gather=None` resolves per call: behind PV where a CTA runs all its query's chunks (one
-    split), at each chunk's start with more splits, under an ablation or beside `prefetch`;
-    a gather that is set is kept."""
+def test_the_default_gather_resolves_per_kernel_and_split():
+    """`gather=None` resolves per call: the pipelined kernel (the default) stages its words
+    with `cp.async`; the exchange kernel loads them behind PV where a CTA runs all its query's
+    chunks (one split), at each chunk's start with more splits, under an ablation or beside
+    `prefetch`; a gather that is set is kept."""
     default = kernel_mgpu.TuningConfig()
-    assert default.gather is None
-    assert [default.gather_for(s) for s in (1, 2, 4)] == ["behind_pv", "registers", "registers"]
+    assert default.gather is None and default.kernel == "pipelined"
+    assert [default.gather_for(s) for s in (1, 2, 4)] == ["async"] * 3
+    exchange = kernel_mgpu.TuningConfig(kernel="exchange")
+    assert [exchange.gather_for(s) for s in (1, 2, 4)] == ["behind_pv", "registers", "registers"]
+    assert kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers").gather_for(1) == (
+        "registers"
+    )
     for other in (
-        kernel_mgpu.TuningConfig(ablation="no_topk_rows"),
-        kernel_mgpu.TuningConfig(prefetch=True),
+        kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_rows"),
+        kernel_mgpu.TuningConfig(kernel="exchange", prefetch=True),
         kernel_mgpu.TuningConfig(kernel="specialized"),
     ):
         assert other.gather_for(1) == "registers", other
-    assert kernel_mgpu.TuningConfig(gather="registers").gather_for(1) == "registers"
-    assert kernel_mgpu.TuningConfig(gather="async").gather_for(2) == "async"
+    assert (
+        kernel_mgpu.TuningConfig(kernel="exchange", gather="registers").gather_for(1) == "registers"
+    )
+    assert kernel_mgpu.TuningConfig(kernel="exchange", gather="async").gather_for(2) == "async"
 
 
 def test_tuning_errors_name_the_option():
@@ -374,11 +406,11 @@ def test_tuning_errors_name_the_option():
     with pytest.raises(ValueError, match="gather: 'behind_pv' only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(gather="behind_pv", kernel="pipelined")
     with pytest.raises(ValueError, match="prefetch=True"):
-        kernel_mgpu.TuningConfig(gather="async", prefetch=True)
+        kernel_mgpu.TuningConfig(kernel="exchange", gather="async", prefetch=True)
     with pytest.raises(ValueError, match="gather: 'behind_pv' only with kernel='exchange'"):
-        kernel_mgpu.TuningConfig(gather="behind_pv", prefetch=True)
+        kernel_mgpu.TuningConfig(kernel="exchange", gather="behind_pv", prefetch=True)
     with pytest.raises(ValueError, match="ablation='no_topk_rows'"):
-        kernel_mgpu.TuningConfig(gather="behind_pv", ablation="no_topk_rows")
+        kernel_mgpu.TuningConfig(kernel="exchange", gather="behind_pv", ablation="no_topk_rows")
     with pytest.raises(ValueError, match="q_overlap: only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(q_overlap=True, kernel="specialized")
     with pytest.raises(ValueError, match=r"prefetch: only with kernel='exchange'.*'pipelined'"):
@@ -389,7 +421,7 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(ablation="no_window")
     args = make_case(4, **CPU_CASES["ragged"])
     for ablation in ("no_topk_gather", "no_topk_decode"):
-        config = api.Config(mgpu=kernel_mgpu.TuningConfig(ablation=ablation))
+        config = api.Config(mgpu=kernel_mgpu.TuningConfig(kernel="exchange", ablation=ablation))
         with pytest.raises(ValueError, match=f"config.ablation: '{ablation}'.*dequant='ptx'"):
             attention_fn("mgpu", config=config)(*args)
 

@@ -42,25 +42,30 @@ MGPU_VARIANTS = {
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "specialized_splits1": kernel_mgpu.TuningConfig(kernel="specialized", splits=1),
     "splits1": kernel_mgpu.TuningConfig(splits=1),
-    "registers": kernel_mgpu.TuningConfig(gather="registers"),
-    "async_gather": kernel_mgpu.TuningConfig(gather="async"),
-    "q_overlap": kernel_mgpu.TuningConfig(q_overlap=True),
-    "behind_pv": kernel_mgpu.TuningConfig(gather="behind_pv"),
-    "behind_pv_q_overlap": kernel_mgpu.TuningConfig(gather="behind_pv", q_overlap=True),
-    "pipelined": kernel_mgpu.TuningConfig(kernel="pipelined"),
-    "pipelined_splits1": kernel_mgpu.TuningConfig(kernel="pipelined", splits=1),
+    "registers": kernel_mgpu.TuningConfig(kernel="exchange", gather="registers"),
+    "async_gather": kernel_mgpu.TuningConfig(kernel="exchange", gather="async"),
+    "q_overlap": kernel_mgpu.TuningConfig(kernel="exchange", q_overlap=True),
+    "behind_pv": kernel_mgpu.TuningConfig(kernel="exchange", gather="behind_pv"),
+    "behind_pv_q_overlap": kernel_mgpu.TuningConfig(
+        kernel="exchange", gather="behind_pv", q_overlap=True
+    ),
+    "exchange": kernel_mgpu.TuningConfig(kernel="exchange"),
+    "pipelined": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
+    "pipelined_splits1": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers", splits=1),
     "pipelined_async": kernel_mgpu.TuningConfig(kernel="pipelined", gather="async"),
-    "no_topk_rows": kernel_mgpu.TuningConfig(ablation="no_topk_rows"),
-    "no_topk_gather": kernel_mgpu.TuningConfig(ablation="no_topk_gather"),
-    "no_topk_decode": kernel_mgpu.TuningConfig(ablation="no_topk_decode"),
+    "no_topk_rows": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_rows"),
+    "no_topk_gather": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_gather"),
+    "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
 }
-"""Mosaic GPU configurations the command line can add by label (`--variants`): the
-warp-specialized kernel, split-KV off, each chunk's loads at its start (the default before
-2026-12-06 at every batch), the staged gather (`cp.async`), q awaited at the first product, the
-next chunk's loads behind PV (alone and with q awaited late), the two-tile kernel that decodes
-the next chunk during PV (with its splits, at one split, and with its words staged by
-`cp.async`), and the default kernel
-without the top-k rows' gather and decode, without the gather alone, or without the decode alone
+"""Mosaic GPU configurations the command line can add by label (`--variants`); the default
+(`pallas_mgpu`) is the two-tile kernel with its words staged by `cp.async` since 2026-12-06
+(the eleventh session). The warp-specialized kernel; split-KV off; the exchange kernel (the
+default before) as it runs by default, with each chunk's loads at its start (its default
+before the tenth session at every batch), with the staged gather (`cp.async`), with q awaited
+at the first product, with the next chunk's loads behind PV (alone and with q awaited late);
+the two-tile kernel with its words loaded into registers (with its splits and at one split)
+and staged; and the exchange kernel without the top-k rows' gather and decode, without the
+gather alone, or without the decode alone
 (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
 
 

@@ -231,16 +231,21 @@ class TuningConfig:
     Args:
       dequant: 'ptx' decodes with inline PTX (the GPU path); 'jnp' gathers and unpacks with
         `v41jax.ops.formats.unpack` inside the kernel (the only one interpret mode can run).
-      kernel: 'exchange' (the default): `_exchange_kernel`, two warpgroups; each gathers and
-        decodes its half of D of one key tile and computes QK^T over that half, the partial
-        logits are summed through shared memory; all steps one after another. 'specialized':
+      kernel: 'pipelined' (the default since 2026-12-06, eleventh session): `_pipelined_kernel`,
+        two warpgroups and two key tiles; each decodes its half of the next chunk into the
+        other tile while its PV of this one runs, and computes QK^T over the full D (no logit
+        exchange, 1.5 times the tensor work). On an H100 (NOTES.md), with gather='async', its
+        kernel took 25.9 µs against 27.6 for 'exchange' at batch 64 and 47.9 against 48.9 at
+        128; with its words loaded into registers ('registers'), 26.9 and 51.7: ptxas moved
+        those loads down to their use. 'exchange' (the default before): `_exchange_kernel`,
+        two warpgroups; each gathers and decodes its half of D of one key tile and computes
+        QK^T over that half, the partial logits are summed through shared memory; all steps
+        one after another. 'specialized':
         `_specialized_kernel`, a producer warpgroup gathers and decodes into two key tiles
         while two consumer warpgroups each compute QK^T over the full D, the softmax and PV.
         Slower on the H200 (2026-12-04, `NOTES.md`): kernel 33.4 µs against 26.2 at batch 64,
         64.5 against 50.4 at 128. GPU only: the interpreter does not finish three warpgroups
-        on a 2-core CPU. 'pipelined': `_pipelined_kernel`, two warpgroups and two key tiles;
-        each decodes its half of the next chunk into the other tile while its PV of this one
-        runs, and computes QK^T over the full D (no logit exchange). Not yet timed.
+        on a 2-core CPU.
       prefetch: ('exchange' only) load the packed rows of the next top-k chunk while this
         one computes. Off by default: on the H200 (2026-11-29) it cost 1.6 µs at batch 64 and
         2.7 µs at 128, presumably through its 18 extra live registers (ptxas already reported
@@ -251,7 +256,8 @@ class TuningConfig:
         partial outputs merged by log-sum-exp in XLA (split-KV, as flash-decoding). None: as
         many as keep every SM busy (number of SMs // (B · head groups), at most 4), so a batch
         of 64 queries still fills the 132 SMs of an H200; 1 on CPU.
-      gather: ('exchange' only) how a top-k chunk's packed rows reach the decode. 'registers':
+      gather: how a top-k chunk's packed rows reach the decode ('exchange'; 'pipelined' takes
+        'registers' and 'async', its default; `_pipelined_kernel`). 'registers':
         each thread loads its words from HBM when the chunk starts and waits for them.
         'async': each thread copies the next chunk's words into its own slots of shared memory
         with `cp.async` while this chunk's products run, and reads them back after waiting for
@@ -284,7 +290,7 @@ class TuningConfig:
     """
 
     dequant: str = "ptx"
-    kernel: str = "exchange"
+    kernel: str = "pipelined"
     prefetch: bool = False
     gather: str | None = None
     splits: int | None = None
@@ -323,12 +329,14 @@ class TuningConfig:
             raise ValueError(f"splits: expected None or >= 1, got {self.splits}")
 
     def gather_for(self, splits: int) -> str:
-        """The gather a call with `splits` CTAs per (query, head group) runs: `gather` as set,
-        else 'behind_pv' for one split of the exchange kernel without prefetch or ablation
-        (faster there on an H100, slower with two splits: the docstring above), else
-        'registers'."""
+        """The gather a call with `splits` CTAs per (query, head group) runs: `gather` as set;
+        else 'async' for the pipelined kernel; 'behind_pv' for one split of the exchange kernel
+        without prefetch or ablation (faster there on an H100, slower with two splits: the
+        docstring above); else 'registers'."""
         if self.gather is not None:
             return self.gather
+        if self.kernel == "pipelined":
+            return "async"
         plain = self.kernel == "exchange" and not self.prefetch and self.ablation is None
         return "behind_pv" if plain and splits == 1 else "registers"
 
