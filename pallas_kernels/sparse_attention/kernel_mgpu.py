@@ -373,14 +373,10 @@ def _global_address(rows: ir.Value, row: ir.Value, row_bytes: int) -> ir.Value:
     return arith.addi(base, offset)
 
 
-def _load_words(
-    address: ir.Value, offset: int, n_words: int, align: int = 16, pinned: bool = False
-) -> list[ir.Value]:
+def _load_words(address: ir.Value, offset: int, n_words: int, align: int = 16) -> list[ir.Value]:
     """`n_words` consecutive 32-bit words at address + offset (`.nc`: the packed rows are
     read-only for the kernel's lifetime), in vector loads as wide as `align` bytes allows: a
-    window row of D = 256 is 264 bytes, so its odd rows are only 8-byte aligned. `pinned`
-    issues them where they are written (volatile): otherwise LLVM may sink loads whose words
-    are used in one branch only into that branch, next to their use."""
+    window row of D = 256 is 264 bytes, so its odd rows are only 8-byte aligned."""
     i32 = ir.IntegerType.get_signless(32)
     width = min(n_words, align // 4)
     words = []
@@ -388,11 +384,11 @@ def _load_words(
         at = arith.addi(address, _i64(offset + 4 * first))
         if width == 1:
             ptx = "ld.global.nc.u32 $0, [$1];"
-            words.append(mgpu_utils.inline_ptx(ptx, at, result_types=i32, has_side_effects=pinned))
+            words.append(mgpu_utils.inline_ptx(ptx, at, result_types=i32))
             continue
         regs = ", ".join(f"${i}" for i in range(width))
         ptx = f"ld.global.nc.v{width}.u32 {{{regs}}}, [${width}];"
-        words += mgpu_utils.inline_ptx(ptx, at, result_types=[i32] * width, has_side_effects=pinned)
+        words += mgpu_utils.inline_ptx(ptx, at, result_types=[i32] * width)
     return words
 
 
@@ -491,7 +487,6 @@ def _fp4_load(
     slots: ir.Value,
     half: int | None,
     gather: bool = True,
-    pinned: bool = False,
 ) -> list[ir.Value]:
     """This thread's raw NVFP4 words of one chunk's `half` of D (`_half_index`): per piece 8
     words of E2M1 nibbles (64 dims) and 1 word of E4M3 scales; all zero for a −1 slot.
@@ -502,9 +497,8 @@ def _fp4_load(
     words = []
     for piece, (nib_address, sc_address) in enumerate(pieces):
         if gather:
-            # Rows of 9D/16 bytes: 16-aligned.
-            piece_words = _load_words(nib_address, 0, 8, pinned=pinned)
-            piece_words += _load_words(sc_address, 0, 1, pinned=pinned)
+            piece_words = _load_words(nib_address, 0, 8)  # rows of 9D/16 bytes: 16-aligned
+            piece_words += _load_words(sc_address, 0, 1)
         else:
             piece_words = [
                 arith.xori(safe, _i32(0x01234567 * (9 * piece + i + 1) & 0x7FFFFFFF))
@@ -678,14 +672,10 @@ class _Dequant:
 
 
 def _ptx_dequant(
-    geometry: _Geometry,
-    half: int | None = None,
-    ablation: str | None = None,
-    pin_loads: bool = False,
+    geometry: _Geometry, half: int | None = None, ablation: str | None = None
 ) -> _Dequant:
     """The GPU path; `ablation` 'no_topk_gather' or 'no_topk_decode' leaves that step out of
-    the top-k chunks (`TuningConfig.ablation`); `pin_loads`: the top-k words' loads are issued
-    where `load` is called (`_load_words`)."""
+    the top-k chunks (`TuningConfig.ablation`)."""
     raw_type = plgpu.ShapeDtypeStruct(
         (WARPGROUP * geometry.fp4_words,), jnp.int32, layout=_raw_layout(geometry)
     )
@@ -694,8 +684,7 @@ def _ptx_dequant(
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=raw_type)
     def load(ctx, kv_rows, slots):
         del ctx
-        words = _fp4_load(geometry, kv_rows, slots, half, gather, pinned=pin_loads)
-        return _pack_raw(words, geometry)
+        return _pack_raw(_fp4_load(geometry, kv_rows, slots, half, gather), geometry)
 
     @plgpu.inline_mgpu(arg_types=(_raw_layout(geometry), plgpu.RefType(_TILE)))
     def store_raw(ctx, raw, dst):
@@ -1411,11 +1400,7 @@ def fp4_sparse_attention_mgpu(
             * interpret
         )
     if dequant_kind == "ptx":
-        # The pipelined kernel uses its top-k words in one branch of the next chunk's decode:
-        # pinned, its loads issue at the chunk's start, not next to that use (`_load_words`).
-        make_dequant = functools.partial(
-            _ptx_dequant, ablation=config.ablation, pin_loads=config.kernel == "pipelined"
-        )
+        make_dequant = functools.partial(_ptx_dequant, ablation=config.ablation)
     else:
         make_dequant = _jnp_dequant
     half = geometry.half
