@@ -175,11 +175,37 @@ def test_the_attention_kernels_leave_one_out_variants_lower(ablation):
         kernel_mgpu.TuningConfig(kernel="specialized", ablation=ablation)
 
 
+def test_the_default_attention_kernel_stages_its_words_while_they_fit():
+    """`kernel_mgpu.supports`' docstring: at D = 512 the pipelined kernel's staged words fit
+    beside 40 chunks of slots (a top-k of 2,432 and a window of 128), and from 41 its default
+    loads them into registers (`resolve_gather`), up to 118 chunks (7,552). Both sides of each
+    boundary are lowered: the estimate (`pipelined_shared_bytes`) is Mosaic GPU's own count."""
+
+    def attend(gather=None):
+        tuning = kernel_mgpu.TuningConfig(gather=gather)
+        return functools.partial(
+            attention_api.fp4_sparse_attention,
+            implementation="pallas",
+            config=attention_api.Config(mgpu=tuning),
+        )
+
+    default = kernel_mgpu.TuningConfig()
+    assert kernel_mgpu.resolve_gather(default, 1, 512, n_chunks=2 + 2432 // 64) == "async"
+    assert kernel_mgpu.resolve_gather(default, 1, 512, n_chunks=3 + 2432 // 64) == "registers"
+    assert kernel_mgpu.resolve_gather(default, 1, 256, n_chunks=250) == "async"
+    lowers_to(attend(), *attention_args(64, topk=2432), mosaic_gpu=1)
+    lowers_to(attend(), *attention_args(64, topk=2496), mosaic_gpu=1)
+    lowers_to(attend(), *attention_args(64, topk=7552), mosaic_gpu=1)
+    for gather, topk in (("async", 2496), (None, 7616)):
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            lowering.lower_for_gpu(attend(gather), *attention_args(64, topk=topk))
+
+
 @pytest.mark.parametrize(("gather", "topk"), [("registers", 4096), ("async", 2048)])
-def test_the_attention_kernel_fits_the_top_k_its_docstring_names(gather, topk):
-    """`kernel_mgpu.supports`' docstring: shared memory holds every chunk's slots, enough for a
-    top-k of 4,096 (2,048 with the staged gather) beside a window of 128 at D = 512; twice as
-    many is refused by Mosaic GPU's own check, by name."""
+def test_the_exchange_kernel_fits_a_top_k_of_thousands(gather, topk):
+    """The exchange kernel's shared memory holds every chunk's slots, enough for a top-k of
+    4,096 (2,048 with the staged gather) beside a window of 128 at D = 512; twice as many is
+    refused by Mosaic GPU's own check, by name."""
     tuning = kernel_mgpu.TuningConfig(kernel="exchange", gather=gather)
     attend = functools.partial(
         attention_api.fp4_sparse_attention,

@@ -2,25 +2,31 @@
 
 One CTA per (query, group of 64 heads, split) and two compute warpgroups. The 64 heads are the M
 dimension of every wgmma (MQA: one latent shared by all heads); keys stream in chunks of 64: the
-query's FP8 window rows first, then the compressed rows its top-k selects. Warpgroup w owns dims
-[w·D/2, (w+1)·D/2) of the latent. Per chunk:
+query's FP8 window rows first, then the compressed rows its top-k selects. Warpgroup w decodes
+dims [w·D/2, (w+1)·D/2) of every chunk's keys and owns those dims of the output.
 
-1. each thread gathers its share of the chunk's packed rows straight from HBM with vector loads
-   (Hopper has no TMA gather): by default, where a CTA runs all its query's chunks (one split),
-   the next top-k chunk's words are loaded behind this chunk's PV (`gather='behind_pv'`), with
-   more splits at the chunk's start (`gather='registers'`); `TuningConfig.prefetch` loads the
-   next chunk's rows ahead into registers for the whole chunk, `TuningConfig(gather='async')`
-   copies them ahead into shared memory. Each thread then decodes
-   E2M1 × E4M3 (window: E4M3 × UE8M0) to bf16 in registers and stores the tile into 128-byte
-   swizzled shared memory; a −1 slot is decoded from zeroed bytes, so it holds exact zeros;
-2. a partial QK^T over its half of D (wgmma 64×64×D/2); the two partial logit tiles are summed
-   through shared memory, so both warpgroups hold the same logits;
-3. the same online softmax in both (log2 domain; the sink opens the running max and sum);
-4. PV into its half of the output (wgmma 64×D/2×64; K = V, so one tile serves both products).
+The default kernel (`TuningConfig(kernel='pipelined')`, `_pipelined_kernel`) keeps two key
+tiles. Per chunk c:
 
-`TuningConfig(kernel='specialized')` is a warp-specialized variant (a producer warpgroup decodes
-into two key tiles while two consumers each compute QK^T over the full D): correct, but slower on
-the H200 (`NOTES.md`).
+1. the thread's packed words of top-k chunk c + 1 start towards it: by default copied with
+   `cp.async` into its own slots of shared memory (Hopper has no TMA gather), so that no
+   registers are held across the products (`gather='async'`);
+2. once both warpgroups have decoded chunk c (one mbarrier per tile), QK^T over the full D
+   (two wgmma 64×64×D/2; both warpgroups compute the same logits);
+3. the online softmax (log2 domain; the sink opens the running max and sum);
+4. PV into the warpgroup's half of the output (wgmma 64×D/2×64; K = V, so one tile serves both
+   products), issued and not awaited: meanwhile each thread decodes its share of chunk c + 1,
+   E2M1 × E4M3 (window: E4M3 × UE8M0) to bf16 in registers, and stores it into the other
+   128-byte swizzled tile; a −1 slot is decoded from zeroed bytes, so it holds exact zeros.
+
+`TuningConfig(kernel='exchange')` (the default until 2026-12-06) keeps one key tile: each
+warpgroup decodes its half of D of a chunk (its words loaded behind the previous PV at one
+split, `gather='behind_pv'`, else at the chunk's start, `gather='registers'`; `prefetch` and
+`gather='async'` are other gathers), computes a partial QK^T over that half, and the two
+partial logit tiles are summed through shared memory; then the softmax and PV, all one after
+another. `TuningConfig(kernel='specialized')` is a warp-specialized variant (a producer
+warpgroup decodes into two key tiles while two consumers each compute QK^T over the full D):
+correct, but slower on the H200 (`NOTES.md`).
 
 When the batch alone leaves SMs idle, each (query, head group) is split over up to 4 CTAs, each
 taking a contiguous share of the chunks (split-KV); their bf16 partial outputs and log2-sum-exps
@@ -203,9 +209,11 @@ def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
     """Whether the kernel takes attention over `kv_fmt` main-KV rows and `window_fmt` window
     rows of `dim` values: NVFP4 main KV, FP8 window, D in `HEAD_DIMS`. Any head count (padded
     to 64); keys as far as shared memory holds their slots, which a CTA keeps for every chunk
-    of the window and the top-k: at D = 512 with a window of 128, a top-k of 4,096 fits the
-    default kernel and 2,048 the staged gather (`tests/test_kernel_lowering.py`); beyond what
-    fits, Mosaic GPU refuses the kernel while lowering it, naming the bytes."""
+    of the window and the top-k: at D = 512 (any window), 40 chunks of 64 keys with the
+    words staged by `cp.async` (a top-k of 2,432 beside a window of 128), 118 with them in
+    registers (7,552). The default kernel stages them while they fit and loads them into
+    registers beyond (`resolve_gather`); a gather that is set and does not fit is refused by
+    Mosaic GPU while lowering, naming the bytes (`tests/test_kernel_lowering.py`)."""
     return support(
         "the FP4 sparse-attention Mosaic GPU kernel",
         (kv_fmt == "nvfp4", "kv_fmt", "'nvfp4'", kv_fmt),
@@ -328,15 +336,16 @@ class TuningConfig:
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits: expected None or >= 1, got {self.splits}")
 
-    def gather_for(self, splits: int) -> str:
+    def gather_for(self, splits: int, staging_fits: bool = True) -> str:
         """The gather a call with `splits` CTAs per (query, head group) runs: `gather` as set;
-        else 'async' for the pipelined kernel; 'behind_pv' for one split of the exchange kernel
-        without prefetch or ablation (faster there on an H100, slower with two splits: the
-        docstring above); else 'registers'."""
+        else for the pipelined kernel 'async' where its staging fits beside the call's slots
+        (`staging_fits`, `resolve_gather`), 'registers' where not; 'behind_pv' for one split of
+        the exchange kernel without prefetch or ablation (faster there on an H100, slower with
+        two splits: the docstring above); else 'registers'."""
         if self.gather is not None:
             return self.gather
         if self.kernel == "pipelined":
-            return "async"
+            return "async" if staging_fits else "registers"
         plain = self.kernel == "exchange" and not self.prefetch and self.ablation is None
         return "behind_pv" if plain and splits == 1 else "registers"
 
@@ -1313,6 +1322,39 @@ def _pipelined_kernel(
     )
 
 
+SHARED_MEMORY_BYTES = 232_448
+"""Shared memory one CTA may take on sm_90 (227 KB)."""
+
+MOSAIC_SHARED_OVERHEAD = 4_288
+"""Bytes Mosaic GPU's allocation adds to the pipelined kernel's scratch buffers (alignment, its
+own use), measured by lowering for the H200 with jax 0.11.2: at D = 512 it lowers with 40
+chunks' slots and its staged words, and refuses 41 (`tests/test_kernel_lowering.py` checks
+both sides)."""
+
+
+def pipelined_shared_bytes(geometry: _Geometry, n_chunks: int, gather: str) -> int:
+    """Shared memory of the pipelined kernel over `n_chunks` chunks of slots: q, two key tiles,
+    the slots, the sink and the log-sum-exp, the barriers, the staged words with
+    gather='async', and `MOSAIC_SHARED_OVERHEAD`."""
+    scratch = 2 * BLOCK_HEADS * geometry.half * 2  # q, bf16
+    scratch += 2 * 2 * BLOCK_KV * geometry.half * 2  # two key tiles, both halves
+    scratch += n_chunks * BLOCK_KV * 4 + 3 * BLOCK_HEADS * 4 + 8 * 8  # slots, sink, lse, barriers
+    if gather == "async":
+        scratch += 2 * geometry.staged_quads * WARPGROUP * 16
+    return scratch + MOSAIC_SHARED_OVERHEAD
+
+
+def resolve_gather(config: TuningConfig, splits: int, dim: int, n_chunks: int) -> str:
+    """The gather a call runs (`TuningConfig.gather_for`): for the pipelined kernel left to
+    choose, its words staged by `cp.async` where they fit in shared memory beside the slots of
+    `n_chunks` chunks of a `dim`-wide latent, in registers beyond."""
+    geometry = _Geometry(
+        dim, formats.packed_row_bytes("nvfp4", dim), formats.packed_row_bytes("fp8", dim)
+    )
+    fits = pipelined_shared_bytes(geometry, n_chunks, "async") <= SHARED_MEMORY_BYTES
+    return config.gather_for(splits, staging_fits=fits)
+
+
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
@@ -1419,7 +1461,7 @@ def fp4_sparse_attention_mgpu(
     # staged gather's words 20 KB (the first kernel with gather='async').
     optional = []  # scratch after the barriers, before P's buffer in the interpreter
     if config.kernel == "pipelined":
-        gather = config.gather_for(splits)
+        gather = resolve_gather(config, splits, dim, n_chunks)
         kernel = functools.partial(
             _pipelined_kernel, dequant=make_dequant(geometry), gather=gather, **statics
         )
