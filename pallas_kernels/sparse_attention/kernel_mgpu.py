@@ -995,6 +995,28 @@ def _specialized_kernel(
         )
 
 
+def _start_loads(
+    q_ref, slots_ref, sink_ref, q_smem, slots_smem, sink_smem, load_barriers, b, heads, half
+):
+    """The two-warpgroup kernels' prologue: starts the copies of this warpgroup's half of q
+    and of the sink, and (warpgroup 0) of the slots, one copy that both read (its shared memory
+    grows with the keys); waits for the slots and the sink. Returns q's barrier, not awaited
+    (`load_barriers[3 · wg]`)."""
+    wg = lax.axis_index("wg")
+    q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
+    slots_bar = load_barriers.at[1]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
+
+    plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
+    plgpu.barrier_wait(slots_bar)
+    plgpu.barrier_wait(sink_bar)
+    return q_bar
+
+
 def _exchange_kernel(
     q_ref,
     kv_ref,
@@ -1042,18 +1064,9 @@ def _exchange_kernel(
     wg = lax.axis_index("wg")
     half = geometry.half
     heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
-    q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
-    # One copy of the slots, read by both warpgroups: its shared memory grows with the keys.
-    slots_bar = load_barriers.at[1]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
-
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
-
-    plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
-    plgpu.barrier_wait(slots_bar)
-    plgpu.barrier_wait(sink_bar)
+    q_bar = _start_loads(
+        q_ref, slots_ref, sink_ref, q_smem, slots_smem, sink_smem, load_barriers, b, heads, half
+    )
     if not q_overlap:
         plgpu.barrier_wait(q_bar)
 
@@ -1220,17 +1233,9 @@ def _pipelined_kernel(
     wg = lax.axis_index("wg")
     half = geometry.half
     heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
-    q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
-    slots_bar = load_barriers.at[1]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
-
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
-
-    plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
-    plgpu.barrier_wait(slots_bar)
-    plgpu.barrier_wait(sink_bar)
+    _start_loads(
+        q_ref, slots_ref, sink_ref, q_smem, slots_smem, sink_smem, load_barriers, b, heads, half
+    )
     kv_rows, win_rows = kv_ref.at[b], win_ref.at[b]
     lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
 
