@@ -166,6 +166,14 @@ def test_specialized_kernel_matches_reference_gpu(case, splits):
     check_variant_compiled(kernel_mgpu.TuningConfig(kernel="specialized", splits=splits), case, 9)
 
 
+def variant_cases(splits) -> tuple[str, ...]:
+    """The CPU cases an interpreted variant runs at `splits`: at the default (one split on the
+    CPU), the 512-dim rows (two 64-dim pieces per thread) and the empty row; with more splits,
+    the ragged chunks and the window-less row. Across its two split settings a variant meets
+    each of the four, at half the suite time of all four at both."""
+    return ("dim512", "empty_row") if splits is None else ("ragged", "no_window")
+
+
 def check_variant_interpreted(tuning, cases, seed):
     """A Mosaic GPU kernel variant interpreted, on cases of `CPU_CASES`, against the definition:
     within bf16's tolerance, zeros for an empty row, no race found."""
@@ -260,7 +268,7 @@ def test_async_gather_matches_reference(splits):
     checks the kernel's order of steps (the first chunk staged before the window's, each
     chunk's decode before the next one's copies); the PTX path is the GPU test's below."""
     tuning = kernel_mgpu.TuningConfig(kernel="exchange", gather="async", splits=splits)
-    check_variant_interpreted(tuning, ("ragged", "no_window", "dim512"), 11)
+    check_variant_interpreted(tuning, variant_cases(splits), 11)
 
 
 @pytest.mark.gpu
@@ -291,7 +299,7 @@ def test_words_carried_to_the_next_chunk_are_that_chunks(variant, splits):
     carried, not the rows (`_jnp_dequant`), so a step that carried another chunk's words, or
     a split that started from the wrong first chunk, fails here."""
     tuning = dataclasses.replace(CARRYING_VARIANTS[variant], splits=splits)
-    check_variant_interpreted(tuning, ("ragged", "no_window", "dim512", "empty_row"), 15)
+    check_variant_interpreted(tuning, variant_cases(splits), 15)
 
 
 @pytest.mark.gpu
@@ -312,7 +320,7 @@ def test_q_overlap_matches_reference(splits):
     window and others in the top-k, so both loops hold a first chunk; the interpreter's race
     check sees the q buffer read before its copy landed, if the wait came too late."""
     tuning = kernel_mgpu.TuningConfig(kernel="exchange", q_overlap=True, splits=splits)
-    check_variant_interpreted(tuning, ("ragged", "no_window", "dim512"), 13)
+    check_variant_interpreted(tuning, variant_cases(splits), 13)
 
 
 @pytest.mark.gpu
@@ -353,11 +361,10 @@ def test_pipelined_kernel_matches_reference(gather, splits):
     before both halves were written; three splits start one split in the window and the others
     in the top-k, so the first chunk of a split is decoded from either source, and a split's
     last chunk has none after it. With the default gather ('async') the interpreter's copies
-    are the decode's own gather (so the
-    order of copies and waits is the GPU test's below)."""
+    are the decode's own gather (so the order of copies and waits is the GPU test's below).
+    Cases: `variant_cases`."""
     tuning = kernel_mgpu.TuningConfig(kernel="pipelined", gather=gather, splits=splits)
-    cases = ("ragged", "no_window", "dim512", "empty_row")
-    check_variant_interpreted(tuning, cases if gather == "registers" else cases[:2], 17)
+    check_variant_interpreted(tuning, variant_cases(splits), 17)
 
 
 @pytest.mark.gpu
