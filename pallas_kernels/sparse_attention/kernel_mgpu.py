@@ -449,6 +449,17 @@ class _Geometry:
     def staged_quads(self) -> int:  # 16-byte slots per thread of the staged gather
         return 2 * self.pieces + 1  # two per piece's nibbles, one for all scale words
 
+    @property
+    def staging_shape(self) -> tuple[int, ...]:  # int32 slots of the staged gather, per CTA
+        return (2, self.staged_quads, WARPGROUP, 4)
+
+    @classmethod
+    def of(cls, dim: int) -> _Geometry:
+        """The geometry of a `dim`-wide latent: NVFP4 main-KV rows, FP8 window rows."""
+        return cls(
+            dim, formats.packed_row_bytes("nvfp4", dim), formats.packed_row_bytes("fp8", dim)
+        )
+
 
 def _thread_piece(tid: ir.Value, piece: int) -> tuple[ir.Value, ir.Value]:
     """(row, tile) of a thread's `piece`: thread t owns row t mod 64 and tiles t//64 + 2·piece,
@@ -1345,7 +1356,7 @@ def pipelined_shared_bytes(geometry: _Geometry, n_chunks: int, gather: str) -> i
     scratch += 2 * 2 * BLOCK_KV * geometry.half * 2  # two key tiles, both halves
     scratch += n_chunks * BLOCK_KV * 4 + 3 * BLOCK_HEADS * 4 + 8 * 8  # slots, sink, lse, barriers
     if gather == "async":
-        scratch += 2 * geometry.staged_quads * WARPGROUP * 16
+        scratch += math.prod(geometry.staging_shape) * 4
     return scratch + MOSAIC_SHARED_OVERHEAD
 
 
@@ -1353,10 +1364,7 @@ def resolve_gather(config: TuningConfig, splits: int, dim: int, n_chunks: int) -
     """The gather a call runs (`TuningConfig.gather_for`): for the pipelined kernel left to
     choose, its words staged by `cp.async` where they fit in shared memory beside the slots of
     `n_chunks` chunks of a `dim`-wide latent, in registers beyond."""
-    geometry = _Geometry(
-        dim, formats.packed_row_bytes("nvfp4", dim), formats.packed_row_bytes("fp8", dim)
-    )
-    fits = pipelined_shared_bytes(geometry, n_chunks, "async") <= SHARED_MEMORY_BYTES
+    fits = pipelined_shared_bytes(_Geometry.of(dim), n_chunks, "async") <= SHARED_MEMORY_BYTES
     return config.gather_for(splits, staging_fits=fits)
 
 
@@ -1407,9 +1415,7 @@ def fp4_sparse_attention_mgpu(
     if not supported:
         raise supported.error()
     dequant_kind = "jnp" if interpret else config.dequant
-    geometry = _Geometry(
-        dim, formats.packed_row_bytes("nvfp4", dim), formats.packed_row_bytes("fp8", dim)
-    )
+    geometry = _Geometry.of(dim)
     scale = dim**-0.5 if scale is None else scale
     n_kv, n_window, n_topk = kv_packed.shape[1], window_packed.shape[1], indices.shape[1]
 
@@ -1480,7 +1486,7 @@ def fp4_sparse_attention_mgpu(
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # a tile decoded: both warpgroups
         ]
         if gather == "async":  # `_pipelined_kernel`'s optional scratch, first
-            optional.append(plgpu.SMEM((2, geometry.staged_quads, WARPGROUP, 4), jnp.int32))
+            optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
@@ -1514,8 +1520,7 @@ def fp4_sparse_attention_mgpu(
         ]
         barriers = [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2)]
         if gather == "async":  # `_exchange_kernel`'s optional scratch, first
-            staging = (2, geometry.staged_quads, WARPGROUP, 4)
-            optional.append(plgpu.SMEM(staging, jnp.int32))
+            optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
     out, lse = plgpu.kernel(
         kernel,
         out_type=(
