@@ -136,7 +136,8 @@ def test_prefill_matches_decode_exactly_without_rounding(batch, seq, prefixes):
     assert (reachable > cfg.candidate_topk_blocks).any()
 
 
-@pytest.mark.parametrize(("batch", "seq", "prefixes"), CASES)
+# The ragged case only: the one with no prefixes is met unrounded above (the suite's budget).
+@pytest.mark.parametrize(("batch", "seq", "prefixes"), CASES[1:])
 def test_prefill_matches_decode_over_packed_fp4_cache(tiny_model, batch, seq, prefixes):
     """With the real formats, a last-bit difference that straddles a rounding boundary stores a
     neighbouring FP8/FP4 value, and the difference then propagates through later layers and
