@@ -201,6 +201,34 @@ def test_the_default_attention_kernel_stages_its_words_while_they_fit():
             lowering.lower_for_gpu(attend(gather), *attention_args(64, topk=topk))
 
 
+@pytest.mark.parametrize("splits", (2, 4))
+def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits(splits):
+    """With its splits merged in the kernel (`merge='kernel'`), the pipelined kernel takes
+    about 1 KB more (the splits' log-sum-exps, three barriers), so the staged words fit beside
+    fewer chunks: the estimate (`pipelined_shared_bytes`) picks 'async' only where the kernel
+    lowers, and is at most one chunk short of Mosaic GPU's own count (its alignment: a chunk's
+    slots are 256 bytes)."""
+    default = kernel_mgpu.TuningConfig(splits=splits)
+    last = max(
+        n for n in range(2, 60) if kernel_mgpu.resolve_gather(default, splits, 512, n) == "async"
+    )
+    assert 30 < last < 40  # 40 without the merge (the test above)
+
+    def attend(gather=None):
+        tuning = kernel_mgpu.TuningConfig(splits=splits, gather=gather)
+        return functools.partial(
+            attention_api.fp4_sparse_attention,
+            implementation="pallas",
+            config=attention_api.Config(mgpu=tuning),
+        )
+
+    topk = (last - 2) * 64  # two window chunks
+    lowers_to(attend(), *attention_args(64, topk=topk), mosaic_gpu=1)
+    lowers_to(attend(), *attention_args(64, topk=topk + 64), mosaic_gpu=1)  # registers
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lowering.lower_for_gpu(attend("async"), *attention_args(64, topk=topk + 128))
+
+
 @pytest.mark.parametrize(("gather", "topk"), [("registers", 4096), ("async", 2048)])
 def test_the_exchange_kernel_fits_a_top_k_of_thousands(gather, topk):
     """The exchange kernel's shared memory holds every chunk's slots, enough for a top-k of
@@ -228,6 +256,7 @@ ATTENTION_VARIANTS = {
     "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
+    "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3),
 }
 
 

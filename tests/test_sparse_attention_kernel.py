@@ -380,6 +380,38 @@ def test_pipelined_kernel_matches_reference_gpu(case, splits, gather):
     check_variant_compiled(tuning, case, 18)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
+@pytest.mark.parametrize("splits", (2, 3, 4))
+def test_the_merge_in_the_kernel_equals_the_merge_in_xla_gpu(case, splits):
+    """`merge='kernel'` (the pipelined kernel's default; GPU only, `_merge_splits`): the
+    splits of a query meet as one cluster and merge their partials in the kernel. Against the
+    definition (`check_variant_compiled`), and against `merge='xla'` on the same partials: the
+    two sum the same bf16 partials with the same float32 weights, so they differ at most in
+    the rounding of the last bf16 bit, never in which values are finite."""
+    check_variant_compiled(kernel_mgpu.TuningConfig(splits=splits), case, 21)
+    args = make_case(22, **{**GPU_CASES, **CPU_CASES}[case])
+    merged = {}
+    for merge in ("kernel", "xla"):
+        config = api.Config(mgpu=kernel_mgpu.TuningConfig(splits=splits, merge=merge))
+        merged[merge] = np.asarray(jax.jit(attention_fn("mgpu", config=config))(*args), np.float32)
+    np.testing.assert_allclose(merged["kernel"], merged["xla"], rtol=2**-7, atol=1e-6)
+
+
+def test_the_merge_runs_in_the_pipelined_kernel_where_there_are_splits():
+    """`merges_in_kernel`: the pipelined kernel merges its splits itself unless told 'xla'; one
+    split has nothing to merge; the other kernels merge in XLA, and refuse 'kernel'."""
+    default = kernel_mgpu.TuningConfig()
+    assert [default.merges_in_kernel(s) for s in (1, 2, 4)] == [False, True, True]
+    assert not kernel_mgpu.TuningConfig(merge="xla").merges_in_kernel(2)
+    assert not kernel_mgpu.TuningConfig(kernel="exchange").merges_in_kernel(2)
+    with pytest.raises(ValueError, match="merge: 'kernel' only with kernel='pipelined', got "):
+        kernel_mgpu.TuningConfig(kernel="exchange", merge="kernel")
+    with pytest.raises(ValueError, match=r"merge: expected None or one of \('kernel', 'xla'\)"):
+        kernel_mgpu.TuningConfig(merge="cluster")
+
+
 def test_the_default_gather_resolves_per_kernel_and_split():
     """`gather=None` resolves per call: the pipelined kernel (the default) stages its words
     with `cp.async`; the exchange kernel loads them behind PV where a CTA runs all its query's

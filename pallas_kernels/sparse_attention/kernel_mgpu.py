@@ -231,6 +231,9 @@ KERNELS = ("exchange", "specialized", "pipelined")
 GATHERS = ("registers", "async", "behind_pv")
 """`TuningConfig.gather`: how a top-k chunk's packed rows reach the decode."""
 
+MERGES = ("kernel", "xla")
+"""`TuningConfig.merge`: where the partial outputs of split-KV are merged."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
@@ -261,9 +264,9 @@ class TuningConfig:
         2026-12-05 the interpreter checks it against the definition, and a GPU test (not yet
         run) does the same compiled.
       splits: CTAs per (query, 64 heads), each over a contiguous share of the key chunks, their
-        partial outputs merged by log-sum-exp in XLA (split-KV, as flash-decoding). None: as
-        many as keep every SM busy (number of SMs // (B · head groups), at most 4), so a batch
-        of 64 queries still fills the 132 SMs of an H200; 1 on CPU.
+        partial outputs merged by log-sum-exp (split-KV, as flash-decoding; where: `merge`).
+        None: as many as keep every SM busy (number of SMs // (B · head groups), at most 4),
+        so a batch of 64 queries still fills the 132 SMs of an H200; 1 on CPU.
       gather: how a top-k chunk's packed rows reach the decode ('exchange'; 'pipelined' takes
         'registers' and 'async', its default; `_pipelined_kernel`). 'registers':
         each thread loads its words from HBM when the chunk starts and waits for them.
@@ -287,6 +290,15 @@ class TuningConfig:
         2 µs at the copy ceiling). Off: no faster on an H100 (2026-12-06, NOTES.md; 34.4
         against 34.3 µs at batch 64, 52.1 against 52.3 at 128), where the wait for q still
         held 6.5 % of the warp samples at batch 128 (Nsight Compute).
+      merge: where the splits' partial outputs are merged, when a call runs more than one.
+        'kernel' (the pipelined kernel's default; `_merge_splits`): the splits of one (query,
+        head group) run as one cluster of CTAs; each writes its bf16 partial output and
+        log2-sum-exp, the cluster meets at a barrier, then each CTA reads back its share of
+        the 64-column tiles of every split's partial (from L2, just written), merges them by
+        log-sum-exp and writes that share of the output: no XLA op after the kernel. GPU
+        only: interpreted, a cluster's barrier deadlocked on a 2-core CPU, so interpret mode
+        merges in XLA. 'xla' (the only one for the other kernels): `_combine_splits`, two XLA
+        ops after the kernel (1.1 + 3.2 µs at batch 64 on the H200, 2026-12-04).
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
@@ -303,9 +315,16 @@ class TuningConfig:
     gather: str | None = None
     splits: int | None = None
     q_overlap: bool = False
+    merge: str | None = None
     ablation: str | None = None
 
     def __post_init__(self):
+        if self.merge not in (None, *MERGES):
+            raise ValueError(f"merge: expected None or one of {MERGES}, got {self.merge!r}")
+        if self.merge == "kernel" and self.kernel != "pipelined":
+            raise ValueError(
+                f"merge: 'kernel' only with kernel='pipelined', got kernel={self.kernel!r}"
+            )
         if self.ablation not in (None, *ABLATIONS):
             raise ValueError(
                 f"ablation: expected None or one of {ABLATIONS}, got {self.ablation!r}"
@@ -335,6 +354,12 @@ class TuningConfig:
             raise ValueError(f"dequant: expected 'ptx' or 'jnp', got {self.dequant!r}")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits: expected None or >= 1, got {self.splits}")
+
+    def merges_in_kernel(self, splits: int) -> bool:
+        """Whether a call with `splits` CTAs per (query, head group) merges their partial
+        outputs in the kernel (`merge`): the pipelined kernel does unless told 'xla'; one
+        split has nothing to merge."""
+        return splits > 1 and self.kernel == "pipelined" and self.merge != "xla"
 
     def gather_for(self, splits: int, staging_fits: bool = True) -> str:
         """The gather a call with `splits` CTAs per (query, head group) runs: `gather` as set;
@@ -863,6 +888,86 @@ def _write_output(acc, m, denom, out_smem, o_ref, lse_ref, lse_smem, *, b, split
     plgpu.wait_smem_to_gmem(0)
 
 
+@plgpu.inline_mgpu()
+def _publish_partials(ctx):
+    """Before the cluster barrier of `_merge_splits`: the partial's bulk copies to global memory
+    (async proxy, completed) ordered before the arrival, at cluster scope."""
+    del ctx
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+    mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
+
+
+@plgpu.inline_mgpu()
+def _acquire_partials(ctx):
+    """After the cluster barrier: the other splits' partials, read next by bulk copies (async
+    proxy), ordered after the wait."""
+    del ctx
+    mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+
+def _merge_splits(
+    o_ref,
+    lse_ref,
+    final_ref,
+    views,
+    lse_stage,
+    half_barrier,
+    lse_barrier,
+    cluster_barrier,
+    *,
+    b,
+    split,
+    heads,
+    splits: int,
+    half: int,
+    interpret: bool,
+):
+    """The split-KV merge inside the kernel (`TuningConfig.merge='kernel'`), after every CTA of
+    the cluster (the `splits` of one query and head group) wrote its partial output and
+    log2-sum-exp (`_write_output`, awaited). The cluster meets at `cluster_barrier`; then half
+    h of the output's D is merged by warpgroup h of split h (the others are done): that half
+    of every split's partial is copied back (L2 holds them; a bulk copy fills whole swizzled
+    [64, D/2] buffers only), weighted by exp2(lse − max lse) / Σ, summed in float32 and
+    written to `final_ref` as bf16. An empty row (every lse −inf) gives zeros, a NaN lse NaN:
+    as `_combine_splits`. `views`: `splits` [64, D/2] buffers of shared memory that no one
+    reads once the cluster has met (the key tiles, q)."""
+    wg = lax.axis_index("wg")
+    if not interpret:  # the interpreter's copies complete when issued
+        _publish_partials()
+    plgpu.barrier_arrive(cluster_barrier)
+    plgpu.barrier_wait(cluster_barrier)
+
+    @pl.when(wg == split)  # split < 2: warpgroup `split` merges half `split`
+    def _():
+        if not interpret:
+            _acquire_partials()
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_stage, lse_barrier)
+        columns = pl.ds(wg * half, half)
+        for p in range(splits):
+            plgpu.copy_gmem_to_smem(o_ref.at[b, p, heads, columns], views[p], half_barrier)
+        plgpu.barrier_wait(lse_barrier)
+        lses = [
+            plgpu.load(lse_stage.at[p], layout=plgpu.Layout.WGMMA.reduce(1)) for p in range(splits)
+        ]
+        top = functools.reduce(jnp.maximum, lses)
+        top = jnp.where(top > -jnp.inf, top, 0.0)
+        weights = [jnp.exp2(lse - top) for lse in lses]
+        total = functools.reduce(jnp.add, weights)
+        total = jnp.where(total > 0, total, 1.0)
+        plgpu.barrier_wait(half_barrier)
+        out = None
+        for p in range(splits):
+            part = plgpu.load(views[p], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            part = part * lax.broadcast_in_dim(weights[p] / total, part.shape, [0])
+            out = part if out is None else out + part
+        # Each thread stores the elements it loaded: views[0] is read back only by itself.
+        views[0][...] = out.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(views[0], final_ref.at[b, heads, columns])
+        plgpu.wait_smem_to_gmem(0)
+
+
 CONSUMER_REGISTERS = 224
 PRODUCER_REGISTERS = 56
 """Per-thread registers of the warp-specialized kernel's roles (`setmaxnreg`): 2 · 224 + 56 =
@@ -1193,14 +1298,7 @@ def _pipelined_kernel(
     sink_ref,
     o_ref,
     lse_ref,
-    q_smem,
-    k_smem,
-    slots_smem,
-    sink_smem,
-    lse_smem,
-    load_barriers,
-    full_barriers,
-    *optional,
+    *refs,
     geometry: _Geometry,
     n_window_chunks: int,
     n_topk_chunks: int,
@@ -1208,6 +1306,7 @@ def _pipelined_kernel(
     logit_scale: float,
     dequant: _Dequant,
     gather: str,
+    merge: bool,
     interpret: bool,
 ):
     """Two key tiles, no logit exchange (`TuningConfig(kernel='pipelined')`): k_smem holds
@@ -1235,9 +1334,15 @@ def _pipelined_kernel(
     awaited (the decode's warpgroup barrier covers its four warps), and by the other
     warpgroup's QK^T, awaited before that one decoded the chunk in between and arrived on the
     barrier this one waited at. Its last PV leaves the tile of the chunk before the last one
-    unread, and the output goes through it (q is read by both warpgroups' QK^T)."""
-    optional = list(optional)
+    unread, and the output goes through it (q is read by both warpgroups' QK^T).
+
+    With `merge` (`TuningConfig.merge`), `refs` starts with the merged output [B, H, D] and the
+    splits of a query and head group are one cluster: after writing its partial, each CTA
+    merges its share of the output (`_merge_splits`)."""
+    final_ref, *refs = refs if merge else (None, *refs)
+    q_smem, k_smem, slots_smem, sink_smem, lse_smem, load_barriers, full_barriers, *optional = refs
     staging = optional.pop(0).at[lax.axis_index("wg")] if gather == "async" else None
+    merge_scratch = [optional.pop(0) for _ in range(4)] if merge else None
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
@@ -1336,6 +1441,21 @@ def _pipelined_kernel(
         heads=heads,
         splits=splits,
     )
+    if merge:  # this warpgroup's buffers, then one of the other's, which does not merge
+        views = [k_smem.at[0, wg], k_smem.at[1, wg], q_smem.at[wg], k_smem.at[0, 1 - wg]]
+        _merge_splits(
+            o_ref,
+            lse_ref,
+            final_ref,
+            views[:splits],
+            *merge_scratch,
+            b=b,
+            split=split,
+            heads=heads,
+            splits=splits,
+            half=half,
+            interpret=interpret,
+        )
 
 
 SHARED_MEMORY_BYTES = 232_448
@@ -1348,24 +1468,31 @@ chunks' slots and its staged words, and refuses 41 (`tests/test_kernel_lowering.
 both sides)."""
 
 
-def pipelined_shared_bytes(geometry: _Geometry, n_chunks: int, gather: str) -> int:
+def pipelined_shared_bytes(
+    geometry: _Geometry, n_chunks: int, gather: str, merge_splits: int = 0
+) -> int:
     """Shared memory of the pipelined kernel over `n_chunks` chunks of slots: q, two key tiles,
     the slots, the sink and the log-sum-exp, the barriers, the staged words with
-    gather='async', and `MOSAIC_SHARED_OVERHEAD`."""
+    gather='async', the merge's log-sum-exps and barriers where it merges `merge_splits`
+    splits, and `MOSAIC_SHARED_OVERHEAD`."""
     scratch = 2 * BLOCK_HEADS * geometry.half * 2  # q, bf16
     scratch += 2 * 2 * BLOCK_KV * geometry.half * 2  # two key tiles, both halves
     scratch += n_chunks * BLOCK_KV * 4 + 3 * BLOCK_HEADS * 4 + 8 * 8  # slots, sink, lse, barriers
     if gather == "async":
         scratch += math.prod(geometry.staging_shape) * 4
+    if merge_splits:  # the log-sum-exps (Mosaic GPU took 1 KB for them) and three barriers
+        scratch += _round_up(merge_splits * BLOCK_HEADS * 4, 1024) + 3 * 8
     return scratch + MOSAIC_SHARED_OVERHEAD
 
 
 def resolve_gather(config: TuningConfig, splits: int, dim: int, n_chunks: int) -> str:
     """The gather a call runs (`TuningConfig.gather_for`): for the pipelined kernel left to
     choose, its words staged by `cp.async` where they fit in shared memory beside the slots of
-    `n_chunks` chunks of a `dim`-wide latent, in registers beyond."""
-    fits = pipelined_shared_bytes(_Geometry.of(dim), n_chunks, "async") <= SHARED_MEMORY_BYTES
-    return config.gather_for(splits, staging_fits=fits)
+    `n_chunks` chunks of a `dim`-wide latent (and the merge's buffers, `merges_in_kernel`), in
+    registers beyond."""
+    merge_splits = splits if config.merges_in_kernel(splits) else 0
+    needs = pipelined_shared_bytes(_Geometry.of(dim), n_chunks, "async", merge_splits)
+    return config.gather_for(splits, staging_fits=needs <= SHARED_MEMORY_BYTES)
 
 
 def _round_up(n: int, k: int) -> int:
@@ -1471,10 +1598,18 @@ def fp4_sparse_attention_mgpu(
     # first kernel), the slots 7.5 KB (specialized: one copy per warpgroup) or 2.5 KB; the
     # staged gather's words 20 KB (the first kernel with gather='async').
     optional = []  # scratch after the barriers, before P's buffer in the interpreter
+    # The interpreter runs a cluster's barrier waits on XLA's CPU runtime threads (two on a
+    # 2-core machine), and a cluster of 2 to 4 CTAs of 2 warpgroups waiting at one barrier
+    # deadlocked there: interpreted, the splits merge in XLA.
+    merge = config.merges_in_kernel(splits) and not interpret
     if config.kernel == "pipelined":
         gather = resolve_gather(config, splits, dim, n_chunks)
         kernel = functools.partial(
-            _pipelined_kernel, dequant=make_dequant(geometry), gather=gather, **statics
+            _pipelined_kernel,
+            dequant=make_dequant(geometry),
+            gather=gather,
+            merge=merge,
+            **statics,
         )
         warpgroups = 2
         middle = [
@@ -1487,6 +1622,13 @@ def fp4_sparse_attention_mgpu(
         ]
         if gather == "async":  # `_pipelined_kernel`'s optional scratch, first
             optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
+        if merge:  # then `_merge_splits`' log-sum-exps and barriers
+            optional += [
+                plgpu.SMEM((splits, BLOCK_HEADS), jnp.float32),
+                plgpu.Barrier(num_arrivals=splits),  # a half of each split's partial
+                plgpu.Barrier(),  # the log-sum-exps
+                plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=2),
+            ]
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
@@ -1521,14 +1663,24 @@ def fp4_sparse_attention_mgpu(
         barriers = [plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2)]
         if gather == "async":  # `_exchange_kernel`'s optional scratch, first
             optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
-    out, lse = plgpu.kernel(
+    out_type = [
+        jax.ShapeDtypeStruct((batch, splits, heads, dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
+    ]
+    if merge:  # the splits of a (query, head group): one cluster, which merges them
+        out_type.append(jax.ShapeDtypeStruct((batch, heads, dim), jnp.bfloat16))
+        mesh = dict(
+            grid=(batch, heads // BLOCK_HEADS),
+            grid_names=("b", "g"),
+            cluster=(splits,),
+            cluster_names=("split",),
+        )
+    else:
+        mesh = dict(grid=(batch, heads // BLOCK_HEADS, splits), grid_names=("b", "g", "split"))
+    out, lse, *merged = plgpu.kernel(
         kernel,
-        out_type=(
-            jax.ShapeDtypeStruct((batch, splits, heads, dim), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch, splits, heads), jnp.float32),
-        ),
-        grid=(batch, heads // BLOCK_HEADS, splits),
-        grid_names=("b", "g", "split"),
+        out_type=tuple(out_type),
+        **mesh,
         num_threads=warpgroups,
         thread_name="wg",
         scratch_types=[
@@ -1544,6 +1696,8 @@ def fp4_sparse_attention_mgpu(
         # The interpreter checks the kernel's shared-memory accesses for races (CPU tests).
         interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
     )(q, kv_packed, window_packed, slots, sink)
+    if merge:
+        return merged[0][:, :n_heads]
     if splits > 1:
         out = _combine_splits(out, lse)
     return out[:, 0, :n_heads]
