@@ -12,7 +12,7 @@
 #                                   # launch_cuts (the seventh's) | row_default (the eighth's)
 #                                   # | q_overlap (the ninth's; scripts/ncu.sh: its profiles)
 #                                   # | gather_default (the tenth's) | pipelined | pipelined_default
-#                                   # | attention_ptxas (the eleventh's)
+#                                   # | attention_ptxas (the eleventh's) | merge (the twelfth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -303,6 +303,20 @@ if [[ $stage == pipelined_default ]]; then
     timeout -s INT 120 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
       --variants exchange pipelined registers behind_pv \
       --out "$OUT/bench_sparse_attention_run$run.json" >/dev/null || status=1
+  done
+fi
+if [[ $stage == merge ]]; then
+  # The twelfth session's: the splits merged in the kernel (`TuningConfig.merge`, the pipelined
+  # kernel's default): the GPU tests of the merge, of the pipelined kernel (its splits now merge
+  # in the kernel) and of the default at every case, then the benchmark twice beside the merge
+  # in XLA and the exchange kernel. Guards 560 s.
+  timeout -s INT 320 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "merge or pipelined or matches_reference_gpu" \
+    2>&1 | tee "$OUT/gpu_tests_attention.log" | tail -3 || status=1
+  for run in 1 2; do
+    timeout -s INT 115 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+      --variants xla_merge exchange --out "$OUT/bench_sparse_attention_run$run.json" \
+      >/dev/null || status=1
   done
 fi
 if [[ $stage == decode_tests ]]; then
