@@ -310,8 +310,10 @@ if [[ $stage == merge ]]; then
   # kernel's default): the GPU tests of the merge, of the pipelined kernel (its splits now merge
   # in the kernel) and of the default at every case, then the benchmark twice beside the merge
   # in XLA and the exchange kernel. Guards 560 s.
+  # ${MERGE_TESTS}: a narrower -k (the second run, after the merge read the partials straight
+  # from global memory: the merge's tests and the pipelined kernel's at its default gather).
   timeout -s INT 320 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_sparse_attention_kernel.py -k "merge or pipelined or matches_reference_gpu" \
+    tests/test_sparse_attention_kernel.py -k "${MERGE_TESTS:-merge or pipelined or matches_reference_gpu}" \
     2>&1 | tee "$OUT/gpu_tests_attention.log" | tail -3 || status=1
   for run in 1 2; do
     timeout -s INT 115 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
