@@ -203,16 +203,16 @@ def test_the_default_attention_kernel_stages_its_words_while_they_fit():
 
 @pytest.mark.parametrize("splits", (2, 4))
 def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits(splits):
-    """With its splits merged in the kernel (`merge='kernel'`), the pipelined kernel takes one
-    barrier more (the cluster's), which the estimate (`pipelined_shared_bytes`) counts: it picks
-    'async' only where the kernel lowers, and is at most one chunk short of Mosaic GPU's own
-    count (whose alignment had room for the barrier: 40 chunks lower, as without the merge)."""
+    """With its splits merged in the kernel (`merge='kernel'`), the pipelined kernel takes
+    about 1 KB more (the splits' log-sum-exps, three barriers), so the staged words fit beside
+    fewer chunks: the estimate (`pipelined_shared_bytes`) picks 'async' only where the kernel
+    lowers, and is at most one chunk short of Mosaic GPU's own count (its alignment: a chunk's
+    slots are 256 bytes)."""
     default = kernel_mgpu.TuningConfig(splits=splits)
-    n_chunks = range(2, 60)
     last = max(
-        n for n in n_chunks if kernel_mgpu.resolve_gather(default, splits, 512, n) == "async"
+        n for n in range(2, 60) if kernel_mgpu.resolve_gather(default, splits, 512, n) == "async"
     )
-    assert 38 <= last <= 40  # 40 without the merge (the test above)
+    assert 30 < last < 40  # 40 without the merge (the test above)
 
     def attend(gather=None):
         tuning = kernel_mgpu.TuningConfig(splits=splits, gather=gather)

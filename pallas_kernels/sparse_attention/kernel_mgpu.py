@@ -910,24 +910,28 @@ def _merge_splits(
     o_ref,
     lse_ref,
     final_ref,
-    out_smem,
+    views,
+    lse_stage,
+    half_barrier,
+    lse_barrier,
     cluster_barrier,
     *,
     b,
     split,
     heads,
-    splits,
-    half,
-    interpret,
+    splits: int,
+    half: int,
+    interpret: bool,
 ):
     """The split-KV merge inside the kernel (`TuningConfig.merge='kernel'`), after every CTA of
     the cluster (the `splits` of one query and head group) wrote its partial output and
     log2-sum-exp (`_write_output`, awaited). The cluster meets at `cluster_barrier`; then half
-    h of the output's D is merged by warpgroup h of split h (the others are done): each
-    thread loads its elements of that half of every split's partial, and the log2-sum-exps,
-    straight from global memory (L2 holds them), weighs them by exp2(lse − max lse) / Σ, sums
-    in float32 and writes the bf16 result through `out_smem` to `final_ref`. An empty row
-    (every lse −inf) gives zeros, a NaN lse NaN: as `_combine_splits`."""
+    h of the output's D is merged by warpgroup h of split h (the others are done): that half
+    of every split's partial is copied back (L2 holds them; a bulk copy fills whole swizzled
+    [64, D/2] buffers only), weighted by exp2(lse − max lse) / Σ, summed in float32 and
+    written to `final_ref` as bf16. An empty row (every lse −inf) gives zeros, a NaN lse NaN:
+    as `_combine_splits`. `views`: `splits` [64, D/2] buffers of shared memory that no one
+    reads once the cluster has met (the key tiles, q)."""
     wg = lax.axis_index("wg")
     if not interpret:  # the interpreter's copies complete when issued
         _publish_partials()
@@ -938,28 +942,29 @@ def _merge_splits(
     def _():
         if not interpret:
             _acquire_partials()
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_stage, lse_barrier)
         columns = pl.ds(wg * half, half)
-        rows = plgpu.Layout.WGMMA.reduce(1)
+        for p in range(splits):
+            plgpu.copy_gmem_to_smem(o_ref.at[b, p, heads, columns], views[p], half_barrier)
+        plgpu.barrier_wait(lse_barrier)
         lses = [
-            plgpu.load(lse_ref.at[b, p, heads], layout=rows, optimized=False) for p in range(splits)
-        ]
-        parts = [
-            plgpu.load(o_ref.at[b, p, heads, columns], layout=plgpu.Layout.WGMMA, optimized=False)
-            for p in range(splits)
+            plgpu.load(lse_stage.at[p], layout=plgpu.Layout.WGMMA.reduce(1)) for p in range(splits)
         ]
         top = functools.reduce(jnp.maximum, lses)
         top = jnp.where(top > -jnp.inf, top, 0.0)
         weights = [jnp.exp2(lse - top) for lse in lses]
         total = functools.reduce(jnp.add, weights)
         total = jnp.where(total > 0, total, 1.0)
+        plgpu.barrier_wait(half_barrier)
         out = None
-        for part, weight in zip(parts, weights, strict=True):
-            part = part.astype(jnp.float32)
-            part = part * lax.broadcast_in_dim(weight / total, part.shape, [0])
+        for p in range(splits):
+            part = plgpu.load(views[p], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            part = part * lax.broadcast_in_dim(weights[p] / total, part.shape, [0])
             out = part if out is None else out + part
-        out_smem[...] = out.astype(jnp.bfloat16)
+        # Each thread stores the elements it loaded: views[0] is read back only by itself.
+        views[0][...] = out.astype(jnp.bfloat16)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, final_ref.at[b, heads, columns])
+        plgpu.copy_smem_to_gmem(views[0], final_ref.at[b, heads, columns])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -1337,7 +1342,7 @@ def _pipelined_kernel(
     final_ref, *refs = refs if merge else (None, *refs)
     q_smem, k_smem, slots_smem, sink_smem, lse_smem, load_barriers, full_barriers, *optional = refs
     staging = optional.pop(0).at[lax.axis_index("wg")] if gather == "async" else None
-    merge_scratch = [optional.pop(0)] if merge else None
+    merge_scratch = [optional.pop(0) for _ in range(4)] if merge else None
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
@@ -1436,12 +1441,13 @@ def _pipelined_kernel(
         heads=heads,
         splits=splits,
     )
-    if merge:  # the output goes through the tile it went through before (awaited)
+    if merge:  # this warpgroup's buffers, then one of the other's, which does not merge
+        views = [k_smem.at[0, wg], k_smem.at[1, wg], q_smem.at[wg], k_smem.at[0, 1 - wg]]
         _merge_splits(
             o_ref,
             lse_ref,
             final_ref,
-            k_smem.at[hi % 2, wg],
+            views[:splits],
             *merge_scratch,
             b=b,
             split=split,
@@ -1466,16 +1472,16 @@ def pipelined_shared_bytes(
     geometry: _Geometry, n_chunks: int, gather: str, merge_splits: int = 0
 ) -> int:
     """Shared memory of the pipelined kernel over `n_chunks` chunks of slots: q, two key tiles,
-    the slots, the sink and the log-sum-exp, the barriers (one more where it merges
-    `merge_splits` splits), the staged words with gather='async', and
-    `MOSAIC_SHARED_OVERHEAD`."""
+    the slots, the sink and the log-sum-exp, the barriers, the staged words with
+    gather='async', the merge's log-sum-exps and barriers where it merges `merge_splits`
+    splits, and `MOSAIC_SHARED_OVERHEAD`."""
     scratch = 2 * BLOCK_HEADS * geometry.half * 2  # q, bf16
     scratch += 2 * 2 * BLOCK_KV * geometry.half * 2  # two key tiles, both halves
     scratch += n_chunks * BLOCK_KV * 4 + 3 * BLOCK_HEADS * 4 + 8 * 8  # slots, sink, lse, barriers
     if gather == "async":
         scratch += math.prod(geometry.staging_shape) * 4
-    if merge_splits:  # the cluster's barrier
-        scratch += 8
+    if merge_splits:  # the log-sum-exps (Mosaic GPU took 1 KB for them) and three barriers
+        scratch += _round_up(merge_splits * BLOCK_HEADS * 4, 1024) + 3 * 8
     return scratch + MOSAIC_SHARED_OVERHEAD
 
 
@@ -1616,8 +1622,13 @@ def fp4_sparse_attention_mgpu(
         ]
         if gather == "async":  # `_pipelined_kernel`'s optional scratch, first
             optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
-        if merge:  # then `_merge_splits`' barrier
-            optional.append(plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=2))
+        if merge:  # then `_merge_splits`' log-sum-exps and barriers
+            optional += [
+                plgpu.SMEM((splits, BLOCK_HEADS), jnp.float32),
+                plgpu.Barrier(num_arrivals=splits),  # a half of each split's partial
+                plgpu.Barrier(),  # the log-sum-exps
+                plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=2),
+            ]
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
