@@ -136,8 +136,9 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
     and label, the Mosaic kernel alone in each run (`longest_kernel_us`: the median over the
     run's calls of each call's longest kernel, the Mosaic kernel in these rows; the call in
     parentheses), then the median kernel over the runs and its difference to the same run's
-    default (`pallas_mgpu`) paired run by run. Labels name the config the run's code gave them;
-    the paths say which code.
+    default (`pallas_mgpu`) paired run by run, and the same difference for the whole call (a
+    variant may move work into or out of the kernel: the split merge in XLA against the one in
+    the kernel). Labels name the config the run's code gave them; the paths say which code.
 
     Raises:
       ValueError: a row whose last call's longest kernel is not a Mosaic GPU kernel (then
@@ -149,8 +150,8 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
         "",
         "| batch | implementation | "
         + " | ".join(f"({i + 1})" for i in range(len(reports)))
-        + " | median | paired Δ to default |",
-        "|---|---|" + "---|" * (len(reports) + 2),
+        + " | median | paired Δ to default | paired Δ, whole call |",
+        "|---|---|" + "---|" * (len(reports) + 3),
     ]
 
     def kernel_us(r: dict) -> float | None:
@@ -173,8 +174,12 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
         {(r["batch"], r["implementation"]): r for r in report["results"] if "time_us" in r}
         for report in reports
     ]
+
+    def paired(deltas: list[float]) -> str:
+        return f"{statistics.median(deltas):+.2f} ({min(deltas):+.2f} … {max(deltas):+.2f})"
+
     for key in dict.fromkeys(sorted(keys)):
-        cells, kernels, deltas = [], [], []
+        cells, kernels, deltas, call_deltas = [], [], [], []
         for run in by_run:
             r = run.get(key)
             if r is None or kernel_us(r) is None:
@@ -185,15 +190,17 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
             base = run.get((key[0], "pallas_mgpu"))
             if base is not None and kernel_us(base) is not None:
                 deltas.append(kernel_us(r) - kernel_us(base))
+                call_deltas.append(r["time_us"] - base["time_us"])
         median = f"{statistics.median(kernels):.2f}" if kernels else ""
-        delta = ""
+        delta = call_delta = ""
         if deltas and key[1] != "pallas_mgpu":
-            delta = f"{statistics.median(deltas):+.2f} ({min(deltas):+.2f} … {max(deltas):+.2f})"
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + f" | {median} | {delta} |")
+            delta, call_delta = paired(deltas), paired(call_deltas)
+        row = f"| {key[0]} | {key[1]} | " + " | ".join(cells)
+        lines.append(row + f" | {median} | {delta} | {call_delta} |")
     lines += [
         "",
         "Times in µs: the Mosaic kernel, median over the run's calls (the whole call, "
-        "median); Δ: median (range) over runs.",
+        "median); Δ: median (range) over runs, of the kernel and of the whole call.",
     ]
     return "\n".join(lines)
 

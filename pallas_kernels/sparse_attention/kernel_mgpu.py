@@ -30,7 +30,9 @@ correct, but slower on the H200 (`NOTES.md`).
 
 When the batch alone leaves SMs idle, each (query, head group) is split over up to 4 CTAs, each
 taking a contiguous share of the chunks (split-KV); their bf16 partial outputs and log2-sum-exps
-are merged in XLA. The output is bf16 [B, H, D]; logits, softmax and accumulators are float32.
+are merged by log-sum-exp: in the default kernel on the GPU inside the kernel, the splits of a
+query running as one cluster (`TuningConfig.merge`, `_merge_splits`), else in XLA. The output
+is bf16 [B, H, D]; logits, softmax and accumulators are float32.
 
 The decode is PTX inlined through `plgpu.inline_mgpu` (sm_90 has no FP4 and no E4M3→bf16
 instruction): E2M1 nibbles go through three byte-permute (`prmt`) look-ups per 4 values; E4M3
