@@ -250,7 +250,9 @@ class TuningConfig:
         exchange, 1.5 times the tensor work). On an H100 (NOTES.md), with gather='async', its
         kernel took 25.9 µs against 27.6 for 'exchange' at batch 64 and 47.9 against 48.9 at
         128; with its words loaded into registers ('registers'), 26.9 and 51.7: ptxas moved
-        those loads down to their use. 'exchange' (the default before): `_exchange_kernel`,
+        those loads down to their use. On an H200 (twelfth session) it is faster than
+        'exchange' at batch 64 (25.0 against 25.5 µs) but slower at 128 (46.1 against 45.0).
+        'exchange' (the default before): `_exchange_kernel`,
         two warpgroups; each gathers and decodes its half of D of one key tile and computes
         QK^T over that half, the partial logits are summed through shared memory; all steps
         one after another. 'specialized':
@@ -295,12 +297,14 @@ class TuningConfig:
       merge: where the splits' partial outputs are merged, when a call runs more than one.
         'kernel' (the pipelined kernel's default; `_merge_splits`): the splits of one (query,
         head group) run as one cluster of CTAs; each writes its bf16 partial output and
-        log2-sum-exp, the cluster meets at a barrier, then each CTA reads back its share of
-        the 64-column tiles of every split's partial (from L2, just written), merges them by
-        log-sum-exp and writes that share of the output: no XLA op after the kernel. GPU
-        only: interpreted, a cluster's barrier deadlocked on a 2-core CPU, so interpret mode
-        merges in XLA. 'xla' (the only one for the other kernels): `_combine_splits`, two XLA
-        ops after the kernel (1.1 + 3.2 µs at batch 64 on the H200, 2026-12-04).
+        log2-sum-exp, the cluster meets at a barrier, then warpgroup h of split h copies half
+        h of every split's partial back (from L2, just written), merges them by log-sum-exp
+        and writes that half of the output: no XLA op after the kernel. On an H100 at batch
+        64 (two splits) the kernel grew by 3.7 to 4.1 µs and the whole call shrank by 0.4 to
+        1.0 µs (NOTES.md, 2026-12-06). GPU only: interpreted, a cluster's barrier deadlocked
+        on a 2-core CPU, so interpret mode merges in XLA. 'xla' (the only one for the other
+        kernels): `_combine_splits`, two XLA ops after the kernel (1.1 + 3.2 µs at batch 64 on
+        the H200, 2026-12-04).
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
