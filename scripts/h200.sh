@@ -12,7 +12,8 @@
 #                                   # launch_cuts (the seventh's) | row_default (the eighth's)
 #                                   # | q_overlap (the ninth's; scripts/ncu.sh: its profiles)
 #                                   # | gather_default (the tenth's) | pipelined | pipelined_default
-#                                   # | attention_ptxas (the eleventh's) | merge (the twelfth's)
+#                                   # | attention_ptxas (the eleventh's) | merge | slots (the
+#                                   # twelfth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -320,6 +321,17 @@ if [[ $stage == merge ]]; then
       --variants xla_merge exchange --out "$OUT/bench_sparse_attention_run$run.json" \
       >/dev/null || status=1
   done
+fi
+if [[ $stage == slots ]]; then
+  # The twelfth session's second: the slots built in the kernel (`TuningConfig.slots`): the
+  # default's GPU tests at its own gather over every case and split setting, and the default
+  # against the Triton kernel's cases, then one benchmark run beside the slots made in XLA.
+  # Guards 200 s (what the session's device time had left).
+  timeout -s INT 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "(pipelined and None) or (matches_reference_gpu and mgpu)" \
+    2>&1 | tee "$OUT/gpu_tests_attention.log" | tail -3 || status=1
+  timeout -s INT 60 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --variants xla_slots --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

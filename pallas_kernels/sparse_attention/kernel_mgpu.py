@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, vector
+from jaxlib.mlir.dialects import arith, gpu, llvm, memref, vector
 from jaxtyping import Array, Float
 
 from pallas_kernels.dispatch import Support, support
@@ -236,6 +236,9 @@ GATHERS = ("registers", "async", "behind_pv")
 MERGES = ("kernel", "xla")
 """`TuningConfig.merge`: where the partial outputs of split-KV are merged."""
 
+SLOT_SOURCES = ("kernel", "xla")
+"""`TuningConfig.slots`: where the key slots (row or −1 per key of each chunk) are made."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
@@ -305,6 +308,11 @@ class TuningConfig:
         on a 2-core CPU, so interpret mode merges in XLA. 'xla' (the only one for the other
         kernels): `_combine_splits`, two XLA ops after the kernel (1.1 + 3.2 µs at batch 64 on
         the H200, 2026-12-04).
+      slots: where each query's key slots (the window row or top-k index of every key of a
+        chunk, −1 to skip) are made. 'kernel' (the pipelined kernel's default on the GPU,
+        `_slot_builder`): the CTA's threads build them from the window flags and the indices
+        as given, in its prologue. 'xla' (the others, and interpret mode): an XLA op before
+        the kernel (1.6 to 1.8 µs on an H100, 2026-12-06), whose result the kernel copies in.
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
@@ -322,9 +330,16 @@ class TuningConfig:
     splits: int | None = None
     q_overlap: bool = False
     merge: str | None = None
+    slots: str | None = None
     ablation: str | None = None
 
     def __post_init__(self):
+        if self.slots not in (None, *SLOT_SOURCES):
+            raise ValueError(f"slots: expected None or one of {SLOT_SOURCES}, got {self.slots!r}")
+        if self.slots == "kernel" and self.kernel != "pipelined":
+            raise ValueError(
+                f"slots: 'kernel' only with kernel='pipelined', got kernel={self.kernel!r}"
+            )
         if self.merge not in (None, *MERGES):
             raise ValueError(f"merge: expected None or one of {MERGES}, got {self.merge!r}")
         if self.merge == "kernel" and self.kernel != "pipelined":
@@ -1117,24 +1132,94 @@ def _specialized_kernel(
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _RawSlots:
+    """The call's window validity [B, W] and top-k indices [B, K] as given, for a kernel that
+    builds its slots itself (`_slot_builder`) instead of reading them from an XLA op."""
+
+    valid: object
+    indices: object
+    build: Callable[..., None]
+
+
+def _slot_builder(*, n_window: int, n_topk: int, n_kv: int, n_window_chunks: int, n_chunks: int):
+    """The slots of one query, built in the kernel from the call's raw arrays (GPU only): every
+    thread of the CTA (two warpgroups) loads a few window flags (bytes) and top-k indices and
+    stores their slots, as `fp4_sparse_attention_mgpu` makes them in XLA: window row w where it
+    is valid, top-k index i where 0 <= i < n_kv, −1 elsewhere and in the padding of the last
+    chunk of each part; then a barrier of the whole CTA (`bar.sync 0`, all 256 threads), after
+    which both warpgroups read them. Saves the XLA op that built them (1.6 to 1.8 µs)."""
+    threads, total = 2 * WARPGROUP, n_chunks * BLOCK_KV
+    window_end = n_window_chunks * BLOCK_KV
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def build(ctx, valid_row, index_row, slots):
+        del ctx
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        tid = mgpu_utils.thread_idx()
+        valid_base = llvm.ptrtoint(i64, mgpu_utils.memref_ptr(valid_row))
+        index_base = llvm.ptrtoint(i64, mgpu_utils.memref_ptr(index_row))
+        dst = _smem_address(slots)
+        minus_one = _i32(-1)
+
+        def less(a, bound):
+            return arith.cmpi(arith.CmpIPredicate.slt, a, _i32(bound))
+
+        for k in range(-(-total // threads)):
+            e = arith.addi(tid, _i32(k * threads))
+            slot = minus_one
+            if n_topk:  # top-k entry t = e − window_end: index i where 0 <= i < n_kv
+                t = arith.subi(e, _i32(window_end))
+                safe = arith.maxsi(arith.minsi(t, _i32(n_topk - 1)), _i32(0))
+                at = arith.addi(index_base, arith.shli(arith.extui(i64, safe), _i64(2)))
+                index = mgpu_utils.inline_ptx("ld.global.nc.u32 $0, [$1];", at, result_types=i32)
+                ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, t, _i32(0)), less(t, n_topk))
+                ok = arith.andi(ok, arith.cmpi(arith.CmpIPredicate.sge, index, _i32(0)))
+                ok = arith.andi(ok, less(index, n_kv))
+                slot = arith.select(ok, index, minus_one)
+            if n_window:  # window entry w = e: row w where its flag is set
+                safe = arith.minsi(e, _i32(n_window - 1))
+                at = arith.addi(valid_base, arith.extui(i64, safe))
+                flag = mgpu_utils.inline_ptx("ld.global.nc.u8 $0, [$1];", at, result_types=i32)
+                ok = arith.andi(
+                    less(e, n_window), arith.cmpi(arith.CmpIPredicate.ne, flag, _i32(0))
+                )
+                window_slot = arith.select(ok, e, minus_one)
+                slot = arith.select(less(e, window_end), window_slot, slot)
+            address = arith.addi(dst, arith.shli(e, _i32(2)))
+            mgpu_utils.inline_ptx(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.shared.u32 [$0], $1; }",
+                address,
+                slot,
+                arith.extui(i32, less(e, total)),
+                has_side_effects=True,
+            )
+        gpu.barrier()  # every thread's slots, before both warpgroups read them
+
+    return build
+
+
 def _start_loads(
     q_ref, slots_ref, sink_ref, q_smem, slots_smem, sink_smem, load_barriers, b, heads, half
 ):
     """The two-warpgroup kernels' prologue: starts the copies of this warpgroup's half of q
     and of the sink, and (warpgroup 0) of the slots, one copy that both read (its shared memory
-    grows with the keys); waits for the slots and the sink. Returns q's barrier, not awaited
-    (`load_barriers[3 · wg]`)."""
+    grows with the keys), or builds the slots from the call's raw arrays (`_RawSlots`); waits
+    for the slots and the sink. Returns q's barrier, not awaited (`load_barriers[3 · wg]`)."""
     wg = lax.axis_index("wg")
     q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
     slots_bar = load_barriers.at[1]
     plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
-
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
-
     plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
-    plgpu.barrier_wait(slots_bar)
+    if isinstance(slots_ref, _RawSlots):
+        slots_ref.build(slots_ref.valid.at[b], slots_ref.indices.at[b], slots_smem)
+    else:
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
+
+        plgpu.barrier_wait(slots_bar)
     plgpu.barrier_wait(sink_bar)
     return q_bar
 
@@ -1683,6 +1768,30 @@ def fp4_sparse_attention_mgpu(
         )
     else:
         mesh = dict(grid=(batch, heads // BLOCK_HEADS, splits), grid_names=("b", "g", "split"))
+    inputs = (q, kv_packed, window_packed, slots, sink)
+    if config.kernel == "pipelined" and config.slots != "xla" and dequant_kind == "ptx":
+        # The slots built in the kernel from the arrays as given (`_slot_builder`): the XLA op
+        # above that made them is then unused, and not run.
+        raw = _RawSlots(
+            None,
+            None,
+            _slot_builder(
+                n_window=n_window,
+                n_topk=n_topk,
+                n_kv=n_kv,
+                n_window_chunks=n_window_chunks,
+                n_chunks=n_chunks,
+            ),
+        )
+        valid = window_valid if n_window else jnp.zeros((batch, 1), jnp.bool_)
+        index = indices.astype(jnp.int32) if n_topk else jnp.full((batch, 1), -1, jnp.int32)
+        inputs = (q, kv_packed, window_packed, valid, index, sink)
+        with_slots = kernel
+
+        def kernel(q_ref, kv_ref, win_ref, valid_ref, index_ref, *refs):
+            slots_ref = dataclasses.replace(raw, valid=valid_ref, indices=index_ref)
+            with_slots(q_ref, kv_ref, win_ref, slots_ref, *refs)
+
     out, lse, *merged = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
@@ -1701,7 +1810,7 @@ def fp4_sparse_attention_mgpu(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # The interpreter checks the kernel's shared-memory accesses for races (CPU tests).
         interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
-    )(q, kv_packed, window_packed, slots, sink)
+    )(*inputs)
     if merge:
         return merged[0][:, :n_heads]
     if splits > 1:
