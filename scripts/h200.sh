@@ -323,15 +323,15 @@ if [[ $stage == merge ]]; then
   done
 fi
 if [[ $stage == slots ]]; then
-  # The twelfth session's second: the slots built in the kernel (`TuningConfig.slots`): the
-  # default's GPU tests at its own gather over every case and split setting, and the default
-  # against the Triton kernel's cases, then one benchmark run beside the slots made in XLA.
-  # Guards 200 s (what the session's device time had left).
-  timeout -s INT 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_sparse_attention_kernel.py -k "(pipelined and None) or (matches_reference_gpu and mgpu)" \
+  # The twelfth session's second: the slots built in the kernel (`TuningConfig.slots='kernel'`).
+  # Its first run (the slots the default then) failed every test with more than one query (a
+  # bool row's address); mended since, not yet run: its GPU tests (every case, against the
+  # definition and bit for bit against the slots made in XLA), then one benchmark run.
+  timeout -s INT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "slots_built_in_the_kernel" \
     2>&1 | tee "$OUT/gpu_tests_attention.log" | tail -3 || status=1
   timeout -s INT 60 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
-    --variants xla_slots --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
+    --variants kernel_slots --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

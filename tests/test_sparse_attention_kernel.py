@@ -399,6 +399,25 @@ def test_the_merge_in_the_kernel_equals_the_merge_in_xla_gpu(case, splits):
     np.testing.assert_allclose(merged["kernel"], merged["xla"], rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
+@pytest.mark.parametrize("splits", (None, 3))
+def test_the_slots_built_in_the_kernel_are_xlas_gpu(case, splits):
+    """`slots='kernel'` (`_slot_builder`): the pipelined kernel builds its slots from the window
+    flags and the indices as given. Against the definition (`check_variant_compiled`: ragged
+    rows, −1 and out-of-range indices, duplicates, an empty row, no window, no top-k), and bit
+    for bit against the same kernel reading the slots an XLA op made: the same slots, so the
+    same output."""
+    check_variant_compiled(kernel_mgpu.TuningConfig(slots="kernel", splits=splits), case, 23)
+    args = make_case(24, **{**GPU_CASES, **CPU_CASES}[case])
+    outs = {}
+    for slots in ("kernel", "xla"):
+        config = api.Config(mgpu=kernel_mgpu.TuningConfig(slots=slots, splits=splits))
+        outs[slots] = np.asarray(jax.jit(attention_fn("mgpu", config=config))(*args), np.float32)
+    np.testing.assert_array_equal(outs["kernel"], outs["xla"])
+
+
 def test_the_merge_runs_in_the_pipelined_kernel_where_there_are_splits():
     """`merges_in_kernel`: the pipelined kernel merges its splits itself unless told 'xla'; one
     split has nothing to merge; the other kernels merge in XLA, and refuse 'kernel'."""
@@ -410,6 +429,10 @@ def test_the_merge_runs_in_the_pipelined_kernel_where_there_are_splits():
         kernel_mgpu.TuningConfig(kernel="exchange", merge="kernel")
     with pytest.raises(ValueError, match=r"merge: expected None or one of \('kernel', 'xla'\)"):
         kernel_mgpu.TuningConfig(merge="cluster")
+    with pytest.raises(ValueError, match="slots: 'kernel' only with kernel='pipelined', got "):
+        kernel_mgpu.TuningConfig(kernel="exchange", slots="kernel")
+    with pytest.raises(ValueError, match=r"slots: expected None or one of \('kernel', 'xla'\)"):
+        kernel_mgpu.TuningConfig(slots="smem")
 
 
 def test_the_default_gather_resolves_per_kernel_and_split():

@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, gpu, llvm, memref, vector
+from jaxlib.mlir.dialects import arith, builtin, gpu, llvm, memref, vector
 from jaxtyping import Array, Float
 
 from pallas_kernels.dispatch import Support, support
@@ -309,10 +309,15 @@ class TuningConfig:
         kernels): `_combine_splits`, two XLA ops after the kernel (1.1 + 3.2 µs at batch 64 on
         the H200, 2026-12-04).
       slots: where each query's key slots (the window row or top-k index of every key of a
-        chunk, −1 to skip) are made. 'kernel' (the pipelined kernel's default on the GPU,
-        `_slot_builder`): the CTA's threads build them from the window flags and the indices
-        as given, in its prologue. 'xla' (the others, and interpret mode): an XLA op before
-        the kernel (1.6 to 1.8 µs on an H100, 2026-12-06), whose result the kernel copies in.
+        chunk, −1 to skip) are made. None or 'xla' (every kernel): an XLA op before the kernel
+        (1.6 to 1.8 µs on an H100, 2026-12-06), whose result the kernel copies in. 'kernel'
+        (the pipelined kernel on the GPU; interpret mode makes them in XLA): the CTA's threads
+        build them from the window flags and the indices as given, in its prologue
+        (`_slot_builder`), and the XLA op is gone. Not the default: its first GPU run
+        (2026-12-06) failed every test with more than one query (a bool row's address, since
+        mended by `_byte_row_address`), and the mended form has not yet run on a GPU
+        (`test_the_slots_built_in_the_kernel_are_xlas_gpu`). That run's timing, with the same
+        work: the whole call 1.9 µs shorter at batch 64 and 2.1 µs at 128 (NOTES.md).
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
@@ -1142,6 +1147,23 @@ class _RawSlots:
     build: Callable[..., None]
 
 
+def _byte_row_address(row: ir.Value) -> ir.Value:
+    """i64 address of element 0 of `row`, a bool GMEM memref (a row of a [B, W] array) that XLA
+    stores one byte per element. `mgpu_utils.memref_ptr` counts a sub-byte element type's
+    offset in bits (bool is i1: the offset of row b came out as b·W/8 bytes, and the first GPU
+    run of `_slot_builder` read other rows' flags for every query but the first), so the
+    descriptor's offset is taken here as bytes."""
+    i64 = ir.IntegerType.get_signless(64)
+    memref_ty = ir.MemRefType(row.type)
+    ptr_ty = llvm.PointerType.get(mgpu_utils.get_memref_llvm_address_space(memref_ty))
+    fields = [ptr_ty, ptr_ty, i64]
+    if memref_ty.shape:
+        fields += [llvm.ArrayType.get(i64, len(memref_ty.shape))] * 2
+    desc = builtin.unrealized_conversion_cast([llvm.StructType.get_literal(fields)], [row])
+    aligned = llvm.ptrtoint(i64, llvm.extractvalue(ptr_ty, desc, [1]))
+    return arith.addi(aligned, llvm.extractvalue(i64, desc, [2]))
+
+
 def _slot_builder(*, n_window: int, n_topk: int, n_kv: int, n_window_chunks: int, n_chunks: int):
     """The slots of one query, built in the kernel from the call's raw arrays (GPU only): every
     thread of the CTA (two warpgroups) loads a few window flags (bytes) and top-k indices and
@@ -1157,7 +1179,7 @@ def _slot_builder(*, n_window: int, n_topk: int, n_kv: int, n_window_chunks: int
         del ctx
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         tid = mgpu_utils.thread_idx()
-        valid_base = llvm.ptrtoint(i64, mgpu_utils.memref_ptr(valid_row))
+        valid_base = _byte_row_address(valid_row)
         index_base = llvm.ptrtoint(i64, mgpu_utils.memref_ptr(index_row))
         dst = _smem_address(slots)
         minus_one = _i32(-1)
@@ -1210,15 +1232,17 @@ def _start_loads(
     q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
     slots_bar = load_barriers.at[1]
     plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
-    plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
-    if isinstance(slots_ref, _RawSlots):
-        slots_ref.build(slots_ref.valid.at[b], slots_ref.indices.at[b], slots_smem)
-    else:
+    raw = isinstance(slots_ref, _RawSlots)
+    if not raw:
 
         @pl.when(wg == 0)
         def _():
             plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
 
+    plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
+    if raw:
+        slots_ref.build(slots_ref.valid.at[b], slots_ref.indices.at[b], slots_smem)
+    else:
         plgpu.barrier_wait(slots_bar)
     plgpu.barrier_wait(sink_bar)
     return q_bar
@@ -1769,7 +1793,7 @@ def fp4_sparse_attention_mgpu(
     else:
         mesh = dict(grid=(batch, heads // BLOCK_HEADS, splits), grid_names=("b", "g", "split"))
     inputs = (q, kv_packed, window_packed, slots, sink)
-    if config.kernel == "pipelined" and config.slots != "xla" and dequant_kind == "ptx":
+    if config.slots == "kernel" and dequant_kind == "ptx":
         # The slots built in the kernel from the arrays as given (`_slot_builder`): the XLA op
         # above that made them is then unused, and not run.
         raw = _RawSlots(
