@@ -68,8 +68,8 @@ at the first product, with the next chunk's loads behind PV (alone and with q aw
 the two-tile kernel with its words loaded into registers (with its splits and at one split)
 and staged; the default with its splits merged in XLA (as before the twelfth session, which
 merged them in the kernel), and with its slots built in the kernel; and the exchange kernel
-without the top-k rows' gather and
-decode, without the gather alone, or without the decode alone
+without the top-k rows' gather and decode, without the gather alone, or without the decode
+alone
 (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
 
 

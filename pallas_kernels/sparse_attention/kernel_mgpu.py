@@ -947,7 +947,6 @@ def _merge_splits(
     heads,
     splits: int,
     half: int,
-    interpret: bool,
 ):
     """The split-KV merge inside the kernel (`TuningConfig.merge='kernel'`), after every CTA of
     the cluster (the `splits` of one query and head group) wrote its partial output and
@@ -957,17 +956,16 @@ def _merge_splits(
     [64, D/2] buffers only), weighted by exp2(lse − max lse) / Σ, summed in float32 and
     written to `final_ref` as bf16. An empty row (every lse −inf) gives zeros, a NaN lse NaN:
     as `_combine_splits`. `views`: `splits` [64, D/2] buffers of shared memory that no one
-    reads once the cluster has met (the key tiles, q)."""
+    reads once the cluster has met (the key tiles, q). GPU only (`fp4_sparse_attention_mgpu`
+    merges in XLA when interpreted)."""
     wg = lax.axis_index("wg")
-    if not interpret:  # the interpreter's copies complete when issued
-        _publish_partials()
+    _publish_partials()
     plgpu.barrier_arrive(cluster_barrier)
     plgpu.barrier_wait(cluster_barrier)
 
     @pl.when(wg == split)  # split < 2: warpgroup `split` merges half `split`
     def _():
-        if not interpret:
-            _acquire_partials()
+        _acquire_partials()
         plgpu.copy_gmem_to_smem(lse_ref.at[b, :, heads], lse_stage, lse_barrier)
         columns = pl.ds(wg * half, half)
         for p in range(splits):
@@ -1569,7 +1567,6 @@ def _pipelined_kernel(
             heads=heads,
             splits=splits,
             half=half,
-            interpret=interpret,
         )
 
 
@@ -1796,16 +1793,12 @@ def fp4_sparse_attention_mgpu(
     if config.slots == "kernel" and dequant_kind == "ptx":
         # The slots built in the kernel from the arrays as given (`_slot_builder`): the XLA op
         # above that made them is then unused, and not run.
-        raw = _RawSlots(
-            None,
-            None,
-            _slot_builder(
-                n_window=n_window,
-                n_topk=n_topk,
-                n_kv=n_kv,
-                n_window_chunks=n_window_chunks,
-                n_chunks=n_chunks,
-            ),
+        build = _slot_builder(
+            n_window=n_window,
+            n_topk=n_topk,
+            n_kv=n_kv,
+            n_window_chunks=n_window_chunks,
+            n_chunks=n_chunks,
         )
         valid = window_valid if n_window else jnp.zeros((batch, 1), jnp.bool_)
         index = indices.astype(jnp.int32) if n_topk else jnp.full((batch, 1), -1, jnp.int32)
@@ -1813,8 +1806,7 @@ def fp4_sparse_attention_mgpu(
         with_slots = kernel
 
         def kernel(q_ref, kv_ref, win_ref, valid_ref, index_ref, *refs):
-            slots_ref = dataclasses.replace(raw, valid=valid_ref, indices=index_ref)
-            with_slots(q_ref, kv_ref, win_ref, slots_ref, *refs)
+            with_slots(q_ref, kv_ref, win_ref, _RawSlots(valid_ref, index_ref, build), *refs)
 
     out, lse, *merged = plgpu.kernel(
         kernel,
