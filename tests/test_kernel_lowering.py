@@ -257,7 +257,7 @@ ATTENTION_VARIANTS = {
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
     "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3),
-    "slots_in_kernel": kernel_mgpu.TuningConfig(slots="kernel"),
+    "slots_in_xla": kernel_mgpu.TuningConfig(slots="xla"),
 }
 
 

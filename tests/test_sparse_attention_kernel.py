@@ -404,8 +404,8 @@ def test_the_merge_in_the_kernel_equals_the_merge_in_xla_gpu(case, splits):
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (None, 3))
 def test_the_slots_built_in_the_kernel_are_xlas_gpu(case, splits):
-    """`slots='kernel'` (`_slot_builder`): the pipelined kernel builds its slots from the window
-    flags and the indices as given. Against the definition (`check_variant_compiled`: ragged
+    """`slots='kernel'` (`_slot_builder`; the pipelined kernel's default): the kernel builds
+    its slots from the window flags and the indices as given. Against the definition (`check_variant_compiled`: ragged
     rows, −1 and out-of-range indices, duplicates, an empty row, no window, no top-k), and bit
     for bit against the same kernel reading the slots an XLA op made: the same slots, so the
     same output."""
@@ -418,9 +418,10 @@ def test_the_slots_built_in_the_kernel_are_xlas_gpu(case, splits):
     np.testing.assert_array_equal(outs["kernel"], outs["xla"])
 
 
-def test_the_merge_runs_in_the_pipelined_kernel_where_there_are_splits():
+def test_the_merge_and_the_slots_run_in_the_pipelined_kernel_by_default():
     """`merges_in_kernel`: the pipelined kernel merges its splits itself unless told 'xla'; one
-    split has nothing to merge; the other kernels merge in XLA, and refuse 'kernel'."""
+    split has nothing to merge; the other kernels merge in XLA, and refuse 'kernel'. Likewise
+    `builds_slots`: the pipelined kernel builds its slots unless told 'xla'."""
     default = kernel_mgpu.TuningConfig()
     assert [default.merges_in_kernel(s) for s in (1, 2, 4)] == [False, True, True]
     assert not kernel_mgpu.TuningConfig(merge="xla").merges_in_kernel(2)
@@ -429,6 +430,9 @@ def test_the_merge_runs_in_the_pipelined_kernel_where_there_are_splits():
         kernel_mgpu.TuningConfig(kernel="exchange", merge="kernel")
     with pytest.raises(ValueError, match=r"merge: expected None or one of \('kernel', 'xla'\)"):
         kernel_mgpu.TuningConfig(merge="cluster")
+    assert default.builds_slots()
+    assert not kernel_mgpu.TuningConfig(slots="xla").builds_slots()
+    assert not kernel_mgpu.TuningConfig(kernel="exchange").builds_slots()
     with pytest.raises(ValueError, match="slots: 'kernel' only with kernel='pipelined', got "):
         kernel_mgpu.TuningConfig(kernel="exchange", slots="kernel")
     with pytest.raises(ValueError, match=r"slots: expected None or one of \('kernel', 'xla'\)"):

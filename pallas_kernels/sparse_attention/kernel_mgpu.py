@@ -309,15 +309,15 @@ class TuningConfig:
         kernels): `_combine_splits`, two XLA ops after the kernel (1.1 + 3.2 µs at batch 64 on
         the H200, 2026-12-04).
       slots: where each query's key slots (the window row or top-k index of every key of a
-        chunk, −1 to skip) are made. None or 'xla' (every kernel): an XLA op before the kernel
-        (1.6 to 1.8 µs on an H100, 2026-12-06), whose result the kernel copies in. 'kernel'
-        (the pipelined kernel on the GPU; interpret mode makes them in XLA): the CTA's threads
-        build them from the window flags and the indices as given, in its prologue
-        (`_slot_builder`), and the XLA op is gone. Not the default: its first GPU run
-        (2026-12-06) failed every test with more than one query (a bool row's address, since
-        mended by `_byte_row_address`), and the mended form has not yet run on a GPU
-        (`test_the_slots_built_in_the_kernel_are_xlas_gpu`). That run's timing, with the same
-        work: the whole call 1.9 µs shorter at batch 64 and 2.1 µs at 128 (NOTES.md).
+        chunk, −1 to skip) are made. 'kernel' (the pipelined kernel's default since
+        2026-12-06, twelfth session's close; on the GPU: interpret mode makes them in XLA):
+        the CTA's threads build them from the window flags and the indices as given, in its
+        prologue (`_slot_builder`), and no XLA op runs before the kernel. 'xla' (the only one
+        for the other kernels): an XLA op before the kernel (1.6 to 1.8 µs on an H100), whose
+        result the kernel copies in. The two give the same bits on every GPU case
+        (`test_the_slots_built_in_the_kernel_are_xlas_gpu`, H100, 2026-12-06); the whole call
+        was 1.7 µs shorter at batch 64 and 1.8 µs at 128 on the H100 (NOTES.md), where the
+        kernel itself did not change.
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
@@ -386,6 +386,11 @@ class TuningConfig:
         outputs in the kernel (`merge`): the pipelined kernel does unless told 'xla'; one
         split has nothing to merge."""
         return splits > 1 and self.kernel == "pipelined" and self.merge != "xla"
+
+    def builds_slots(self) -> bool:
+        """Whether the kernel builds its key slots itself (`slots`): the pipelined kernel does
+        unless told 'xla'; the others read the slots an XLA op made."""
+        return self.kernel == "pipelined" and self.slots != "xla"
 
     def gather_for(self, splits: int, staging_fits: bool = True) -> str:
         """The gather a call with `splits` CTAs per (query, head group) runs: `gather` as set;
@@ -1790,7 +1795,7 @@ def fp4_sparse_attention_mgpu(
     else:
         mesh = dict(grid=(batch, heads // BLOCK_HEADS, splits), grid_names=("b", "g", "split"))
     inputs = (q, kv_packed, window_packed, slots, sink)
-    if config.slots == "kernel" and dequant_kind == "ptx":
+    if config.builds_slots() and dequant_kind == "ptx":
         # The slots built in the kernel from the arrays as given (`_slot_builder`): the XLA op
         # above that made them is then unused, and not run.
         build = _slot_builder(
