@@ -13,7 +13,7 @@
 #                                   # | q_overlap (the ninth's; scripts/ncu.sh: its profiles)
 #                                   # | gather_default (the tenth's) | pipelined | pipelined_default
 #                                   # | attention_ptxas (the eleventh's) | merge | slots (the
-#                                   # twelfth's) | slots_default (the thirteenth's)
+#                                   # twelfth's) | slots_default | combined (the thirteenth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -337,16 +337,29 @@ fi
 if [[ $stage == slots_default ]]; then
   # The thirteenth session's first: the slots built in the kernel as the default (their own
   # tests passed at e091bca, `slots`): the GPU tests that run the default, the pipelined kernel
-  # and the merge at every case, then the benchmark twice beside the slots made in XLA and the
-  # exchange kernel. Guards 560 s.
-  timeout -s INT 330 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_sparse_attention_kernel.py -k "merge or pipelined or matches_reference_gpu" \
+  # and the merge at every case (78), then the benchmark twice beside the slots made in XLA and
+  # the exchange kernel. Guards 520 s.
+  timeout -s INT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "test_matches_reference_gpu or pipelined or merge" \
     2>&1 | tee "$OUT/gpu_tests_attention.log" | tail -3 || status=1
   for run in 1 2; do
     timeout -s INT 110 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
       --variants xla_slots exchange --out "$OUT/bench_sparse_attention_run$run.json" \
       >/dev/null || status=1
   done
+fi
+if [[ $stage == combined ]]; then
+  # The thirteenth session's second: the decode step's GPU tests with the default of the day
+  # (238 s on 2026-12-06), then the combined benchmark (`bench`, then `bench_rest` into the
+  # same report: 89 + 142 s on 2026-12-05) for issue 16's targets. Guards 590 s.
+  timeout -s INT 270 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_decode_kernels.py \
+    2>&1 | tee "$OUT/gpu_tests_decode.log" | tail -4 || status=1
+  mkdir -p runs
+  timeout -s INT 130 "$PY" experiments/bench_kernels.py --out $bench_report \
+    --parts copy matmul pooled_scoring sparse_attention >/dev/null || status=1
+  timeout -s INT 190 "$PY" experiments/bench_kernels.py --out $bench_report \
+    --parts topk source_scan --resume >/dev/null || status=1
+  cp $bench_report "$OUT/" 2>/dev/null
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took
