@@ -50,6 +50,9 @@ def pooled_scoring(part: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n, c in sorted(part["contexts"].items(), key=lambda kv: int(kv[0])):
+        if "error" in c:
+            lines.append(f"| {_context(int(n))} | {_error(c)} |" + " |" * 7)
+            continue
         s, t = c["pallas_scores"], c["pallas_topk"]
         lines.append(
             f"| {_context(int(n))} | {c['full_scan_topk']['median_ms']:.3f} ms "
@@ -58,7 +61,9 @@ def pooled_scoring(part: dict) -> str:
             f"| {s['kernel_GBps']:,.0f} GB/s = {s['kernel_fraction_of_copy']:.0%} "
             f"| {c['speedup_vs_full_scan_topk']:.0f}× | {c['speedup_vs_xla_pool_topk']:.2f}× |"
         )
-    contexts = part["contexts"]
+    contexts = {n: c for n, c in part["contexts"].items() if "error" not in c}
+    if not contexts:
+        return "\n".join(lines)
     longest = max(contexts, key=int)
     c = contexts[longest]
     tunings = [
@@ -80,7 +85,7 @@ def pooled_scoring(part: dict) -> str:
         ("no_fetch", "without the copies after the prologue"),
         ("no_decode", "without the decode"),
     ]
-    timed = [(label, c[f"pallas_scores_{name}"]) for name, label in ablations]
+    timed = [(label, c.get(f"pallas_scores_{name}", {})) for name, label in ablations]
     timed = [(label, e) for label, e in timed if "mosaic_kernel_ms" in e]
     if timed and "mosaic_kernel_ms" in c["pallas_scores"]:  # the leave-one-out variants
         lines += [
@@ -232,6 +237,16 @@ def _ms(entry: dict, name: str, digits: int = 3) -> str:
     return f"{timing['median_ms']:.{digits}f} ms"
 
 
+def _error(entry: dict) -> str:
+    """Why a context has no figures: the benchmark's error (the repr of the exception), without
+    the exception's name, its first line cut at 80 characters (an out-of-memory names the
+    allocation: a 1 M context on an 80 GB card)."""
+    text = entry["error"].strip()
+    text = re.sub(r"^\w+\(['\"](.*?)['\"]?\)?$", r"\1", text, flags=re.S) or "?"
+    first = text.splitlines()[0]
+    return "error: " + (first if len(first) <= 80 else first[:79] + "…").replace("|", "/")
+
+
 def _natural(label: str) -> list:
     """A sort key under which the numbers in a label sort as numbers (kernel_1bit_8w before
     kernel_1bit_16w)."""
@@ -285,6 +300,9 @@ def source_scan(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n, c in sorted(report["contexts"].items(), key=lambda kv: int(kv[0])):
+        if "error" in c:
+            lines.append(f"| {_context(int(n))} | {_error(c)} |" + " |" * 7)
+            continue
         speedup = c.get("speedup_route_vs_xla_scan")
         lines.append(
             f"| {_context(int(n))} | {_ms(c, 'xla_scan')} | {_ms(c, 'pallas_route')} "
@@ -308,7 +326,10 @@ def source_scan(report: dict) -> str:
                 f"{_ms(c, 'pallas_block_max_ragged')}, with the ids listed "
                 f"{_ms(c, 'pallas_block_max_ragged_listed_ids')}.",
             ]
-    longest = max(report["contexts"], key=int)
+    measured = [n for n, c in report["contexts"].items() if "error" not in c]
+    if not measured:
+        return "\n".join(lines)
+    longest = max(measured, key=int)
     route = report["contexts"][longest].get("pallas_route", {}).get("kernels", [])
     if big := [k for k in route if k["ms"] >= 0.005]:
         lines += [
@@ -526,11 +547,19 @@ def _report_kind(report: dict) -> str | None:
 _MILLION = "1048576"  # the context of issue 16's targets
 
 
+def _absent(r) -> str:
+    """Why a report has no figure at 1 M: the context's error, or that it was not run."""
+    c = r["contexts"].get(_MILLION)
+    if c is None:
+        return "— (1 M not run)"
+    return f"— (1 M: {_error(c)})" if "error" in c else "—"
+
+
 def _scan_speedup(r):
     c = r["contexts"].get(_MILLION, {})
     s = c.get("speedup_route_vs_xla_scan")
     if s is None:
-        return None, "—"
+        return None, _absent(r)
     return s, f"{s:.1f}× (route {_ms(c, 'pallas_route')} against {_ms(c, 'xla_scan')})"
 
 
@@ -538,7 +567,7 @@ def _kernel_share(key, label):
     def read(r):
         t = r["contexts"].get(_MILLION, {}).get(key, {})
         if "kernel_fraction_of_copy" not in t:
-            return None, "—"
+            return None, _absent(r)
         share, ms = t["kernel_fraction_of_copy"], t["mosaic_kernel_ms"]
         time = f"{ms:.3f} ms" if ms >= 1 else f"{ms * 1000:.1f} µs"
         return share, f"{share:.0%} ({label} {time})"
@@ -549,7 +578,7 @@ def _kernel_share(key, label):
 def _pooled_topk(r):
     t = r["contexts"].get(_MILLION, {}).get("pallas_topk", {})
     if "median_ms" not in t:
-        return None, "—"
+        return None, _absent(r)
     spread = ""
     if "min_ms" in t and "runs" in t:  # the median's calls: how close to the bound they fall
         spread = (

@@ -1004,6 +1004,44 @@ def test_the_targets_table_reads_each_target_from_its_report_and_says_whether_it
         bench_tables.targets([{"copy": {}, "source_scan": {}}], [tmp_path / "other.json"])
 
 
+def test_a_context_the_benchmark_could_not_run_is_printed_with_its_error():
+    """A context whose benchmark failed (`{"error": repr(exception)}`: a 1 M cache on an 80 GB
+    card runs out of memory) is a row that says so, in the pooled and the source-scan tables,
+    and the targets read at 1 M say why they have no figure; the other contexts print as
+    before (the notes below the tables come from the longest context measured)."""
+    from experiments import bench_tables
+
+    error = repr(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 16GiB"))
+    million = {"1048576": {"n_pos": 1048576, "error": error}}
+    scan = {
+        "sizes": {"batch": 64, "topk_blocks": 2048, "index_topk": 512},
+        "heads": 32, "dim": 128,
+        "contexts": {"65536": {"xla_scan": {"median_ms": 5.0}, "pallas_route": {
+            "median_ms": 0.25, "kernels": [{"name": "scan", "ms": 0.2}]}}} | million,
+    }  # fmt: skip
+    table = bench_tables.source_scan(scan)
+    assert "| 1M | error: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 16GiB |" \
+        in table, table  # fmt: skip
+    assert "| 64K | 5.000 ms | 0.250 ms |" in table, table
+    assert table.endswith("at 64K: its kernels of 5 µs or more, in launch order: scan 200.0 µs.")
+
+    timing = {"median_ms": 0.09, "mosaic_kernel_ms": 0.05, "kernel_GBps": 1.5e3,
+              "kernel_fraction_of_copy": 0.5, "kernels": [{"name": "k", "ms": 0.05}]}  # fmt: skip
+    measured = {"full_scan_topk": timing, "xla_pool_topk": timing, "pallas_topk": timing,
+                "pallas_scores": timing, "speedup_vs_full_scan_topk": 1.0,
+                "speedup_vs_xla_pool_topk": 1.0}  # fmt: skip
+    pooled = {"contexts": {"65536": measured} | million}
+    table = bench_tables.pooled_scoring(pooled)
+    assert "| 1M | error: RESOURCE_EXHAUSTED: Out of memory" in table, table
+    assert "| 64K | 0.090 ms |" in table and "top-k at 64K, its longest" in table, table
+
+    rows = bench_tables.targets([scan, pooled], [Path("scan.json"), Path("pooled.json")])
+    assert rows.count("| — (1 M: error: RESOURCE_EXHAUSTED: Out of memory") == 4, rows
+    del pooled["contexts"]["1048576"]
+    rows = bench_tables.targets([pooled], [Path("pooled.json")])
+    assert rows.count("| — (1 M not run) | — | `pooled.json` |") == 2, rows
+
+
 def test_attention_runs_pair_each_variant_with_its_own_runs_default():
     """`bench_tables --attention-runs`: one column per run (the Mosaic kernel's median over the
     run's calls, the call), the median over runs, and each variant's difference to the default

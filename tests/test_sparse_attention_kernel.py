@@ -405,10 +405,10 @@ def test_the_merge_in_the_kernel_equals_the_merge_in_xla_gpu(case, splits):
 @pytest.mark.parametrize("splits", (None, 3))
 def test_the_slots_built_in_the_kernel_are_xlas_gpu(case, splits):
     """`slots='kernel'` (`_slot_builder`; the pipelined kernel's default): the kernel builds
-    its slots from the window flags and the indices as given. Against the definition (`check_variant_compiled`: ragged
-    rows, −1 and out-of-range indices, duplicates, an empty row, no window, no top-k), and bit
-    for bit against the same kernel reading the slots an XLA op made: the same slots, so the
-    same output."""
+    its slots from the window flags and the indices as given. Against the definition
+    (`check_variant_compiled`: ragged rows, −1 and out-of-range indices, duplicates, an empty
+    row, no window, no top-k), and bit for bit against the same kernel reading the slots an
+    XLA op made: the same slots, so the same output."""
     check_variant_compiled(kernel_mgpu.TuningConfig(slots="kernel", splits=splits), case, 23)
     args = make_case(24, **{**GPU_CASES, **CPU_CASES}[case])
     outs = {}
