@@ -301,3 +301,23 @@ def test_sass_mix_counts_opcodes_and_what_a_variant_leaves_out(tmp_path):
     assert json.loads(out.read_text()) == report
     with pytest.raises(ValueError, match="listing 'empty': no SASS instructions"):
         sass.mix({"empty": "Function : kernel\n"})
+
+
+def test_random_keys_are_drawn_in_words():
+    """The benchmarks' random packed keys (`bench.random_inputs`): uniform nibble bytes and E8M0
+    scales in 119..134, drawn with temporaries of a few times the cache's size. Drawn as uint8,
+    the draw took 16 times the cache (64 GiB at 1 M × 64, beyond an 80 GB H100); the bound
+    here fails that form."""
+    from pallas_kernels.pooled_scoring import bench
+
+    draw = functools.partial(bench.random_inputs, batch=4, n_pos=4096, n_heads=2, dim=128)
+    k_packed, q, weights, lengths = draw(jax.random.key(3))
+    assert k_packed.shape == (4, 4096, 68) and k_packed.dtype == jnp.uint8
+    nibbles, scales = np.asarray(k_packed[..., :64]), np.asarray(k_packed[..., 64:])
+    counts = np.bincount(nibbles.ravel(), minlength=256)
+    assert counts.min() > 0.8 * nibbles.size / 256 and counts.max() < 1.2 * nibbles.size / 256
+    assert scales.min() == 119 and scales.max() == 134
+    assert (np.asarray(lengths) == 4096).all() and q.shape == (4, 2, 128)
+    assert weights.shape == (4, 2)
+    memory = jax.jit(draw).lower(jax.random.key(3)).compile().memory_analysis()
+    assert memory.temp_size_in_bytes <= 4 * k_packed.nbytes, memory
