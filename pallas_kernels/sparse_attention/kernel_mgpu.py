@@ -309,8 +309,9 @@ class TuningConfig:
         kernels): `_combine_splits`, two XLA ops after the kernel (1.1 + 3.2 µs at batch 64 on
         the H200, 2026-12-04).
       slots: where each query's key slots (the window row or top-k index of every key of a
-        chunk, −1 to skip) are made. 'kernel' (the pipelined kernel's default since
-        2026-12-06, twelfth session's close; on the GPU: interpret mode makes them in XLA):
+        chunk, −1 to skip) are made; None: 'kernel' for the pipelined kernel, else 'xla'
+        (`builds_slots`). 'kernel' (the pipelined kernel's default since 2026-12-06,
+        thirteenth session; on the GPU: interpret mode makes them in XLA):
         the CTA's threads build them from the window flags and the indices as given, in its
         prologue (`_slot_builder`), and no XLA op runs before the kernel. 'xla' (the only one
         for the other kernels): an XLA op before the kernel (1.6 to 1.8 µs on an H100), whose
