@@ -14,6 +14,7 @@
 #                                   # | gather_default (the tenth's) | pipelined | pipelined_default
 #                                   # | attention_ptxas (the eleventh's) | merge | slots (the
 #                                   # twelfth's) | slots_default | combined (the thirteenth's)
+#                                   # | h200_default (the fourteenth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -360,6 +361,20 @@ if [[ $stage == combined ]]; then
   timeout -s INT 190 "$PY" experiments/bench_kernels.py --out $bench_report \
     --parts topk source_scan --resume >/dev/null || status=1
   cp $bench_report "$OUT/" 2>/dev/null
+fi
+if [[ $stage == h200_default ]]; then
+  # The fourteenth session's: the thirteenth's default (slots built in the kernel) and the
+  # benchmark's word-sized data draw had only been timed on an H100. On the H200: the combined
+  # benchmark (`bench`, then `bench_rest` into one report), then the attention benchmark once
+  # beside the slots made in XLA and the exchange kernel. Guards 430 s.
+  mkdir -p runs
+  timeout -s INT 130 "$PY" experiments/bench_kernels.py --out $bench_report \
+    --parts copy matmul pooled_scoring sparse_attention >/dev/null || status=1
+  timeout -s INT 190 "$PY" experiments/bench_kernels.py --out $bench_report \
+    --parts topk source_scan --resume >/dev/null || status=1
+  cp $bench_report "$OUT/" 2>/dev/null
+  timeout -s INT 110 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --variants xla_slots exchange --out "$OUT/bench_sparse_attention.json" >/dev/null || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took
