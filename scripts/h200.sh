@@ -381,10 +381,11 @@ if [[ $stage == batch32 ]]; then
   # attention calls over layer 1's cache on an H100 with the default of 0bb299c, against 0.067
   # ms on the H200 with the eighth session's. Batch 32 runs 4 splits, merged in a cluster of 4
   # since the twelfth session, which timed the merge at batches 64 and 128 only. Twice, at
-  # batches 32 and 64, beside the merge in XLA, the slots made in XLA and one split. Guards 360 s.
+  # batches 32 and 64, beside the merge in XLA and one split (45 s a run on an H100, 2026-12-06;
+  # then the default took the merge in XLA at 4 splits: `kernel_merge` is the cluster since).
   for run in 1 2; do
-    timeout -s INT 180 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
-      --batches 32 64 --variants xla_merge xla_slots splits1 \
+    timeout -s INT 120 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+      --batches 32 64 --variants xla_merge splits1 \
       --out "$OUT/bench_sparse_attention_batch32_run$run.json" >/dev/null || status=1
   done
 fi

@@ -208,14 +208,14 @@ def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits(splits):
     fewer chunks: the estimate (`pipelined_shared_bytes`) picks 'async' only where the kernel
     lowers, and is at most one chunk short of Mosaic GPU's own count (its alignment: a chunk's
     slots are 256 bytes)."""
-    default = kernel_mgpu.TuningConfig(splits=splits)
+    default = kernel_mgpu.TuningConfig(splits=splits, merge="kernel")
     last = max(
         n for n in range(2, 60) if kernel_mgpu.resolve_gather(default, splits, 512, n) == "async"
     )
     assert 30 < last < 40  # 40 without the merge (the test above)
 
     def attend(gather=None):
-        tuning = kernel_mgpu.TuningConfig(splits=splits, gather=gather)
+        tuning = kernel_mgpu.TuningConfig(splits=splits, gather=gather, merge="kernel")
         return functools.partial(
             attention_api.fp4_sparse_attention,
             implementation="pallas",
@@ -256,7 +256,7 @@ ATTENTION_VARIANTS = {
     "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
-    "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3),
+    "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3, merge="kernel"),
     "slots_in_xla": kernel_mgpu.TuningConfig(slots="xla"),
 }
 

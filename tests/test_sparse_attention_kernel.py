@@ -385,12 +385,13 @@ def test_pipelined_kernel_matches_reference_gpu(case, splits, gather):
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (2, 3, 4))
 def test_the_merge_in_the_kernel_equals_the_merge_in_xla_gpu(case, splits):
-    """`merge='kernel'` (the pipelined kernel's default; GPU only, `_merge_splits`): the
-    splits of a query meet as one cluster and merge their partials in the kernel. Against the
-    definition (`check_variant_compiled`), and against `merge='xla'` on the same partials: the
-    two sum the same bf16 partials with the same float32 weights, so they differ at most in
-    the rounding of the last bf16 bit, never in which values are finite."""
-    check_variant_compiled(kernel_mgpu.TuningConfig(splits=splits), case, 21)
+    """`merge='kernel'` (the pipelined kernel's default at two splits; GPU only,
+    `_merge_splits`): the splits of a query meet as one cluster and merge their partials in the
+    kernel, here at any number of splits. Against the definition (`check_variant_compiled`),
+    and against `merge='xla'` on the same partials: the two sum the same bf16 partials with the
+    same float32 weights, so they differ at most in the rounding of the last bf16 bit, never in
+    which values are finite."""
+    check_variant_compiled(kernel_mgpu.TuningConfig(splits=splits, merge="kernel"), case, 21)
     args = make_case(22, **{**GPU_CASES, **CPU_CASES}[case])
     merged = {}
     for merge in ("kernel", "xla"):
@@ -419,11 +420,14 @@ def test_the_slots_built_in_the_kernel_are_xlas_gpu(case, splits):
 
 
 def test_the_merge_and_the_slots_run_in_the_pipelined_kernel_by_default():
-    """`merges_in_kernel`: the pipelined kernel merges its splits itself unless told 'xla'; one
-    split has nothing to merge; the other kernels merge in XLA, and refuse 'kernel'. Likewise
-    `builds_slots`: the pipelined kernel builds its slots unless told 'xla'."""
+    """`merges_in_kernel`: the pipelined kernel merges its splits itself at two splits, at any
+    number when told 'kernel', never when told 'xla'; one split has nothing to merge; the other
+    kernels merge in XLA, and refuse 'kernel'. Likewise `builds_slots`: the pipelined kernel
+    builds its slots unless told 'xla'."""
     default = kernel_mgpu.TuningConfig()
-    assert [default.merges_in_kernel(s) for s in (1, 2, 4)] == [False, True, True]
+    assert [default.merges_in_kernel(s) for s in (1, 2, 3, 4)] == [False, True, False, False]
+    forced = kernel_mgpu.TuningConfig(merge="kernel")
+    assert [forced.merges_in_kernel(s) for s in (1, 2, 3, 4)] == [False, True, True, True]
     assert not kernel_mgpu.TuningConfig(merge="xla").merges_in_kernel(2)
     assert not kernel_mgpu.TuningConfig(kernel="exchange").merges_in_kernel(2)
     with pytest.raises(ValueError, match="merge: 'kernel' only with kernel='pipelined', got "):

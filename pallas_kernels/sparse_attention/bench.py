@@ -54,6 +54,7 @@ MGPU_VARIANTS = {
     "pipelined_splits1": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers", splits=1),
     "pipelined_async": kernel_mgpu.TuningConfig(kernel="pipelined", gather="async"),
     "xla_merge": kernel_mgpu.TuningConfig(merge="xla"),
+    "kernel_merge": kernel_mgpu.TuningConfig(merge="kernel"),
     "xla_slots": kernel_mgpu.TuningConfig(slots="xla"),
     "no_topk_rows": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_rows"),
     "no_topk_gather": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_gather"),
@@ -67,11 +68,11 @@ before the tenth session at every batch), with the staged gather (`cp.async`), w
 at the first product, with the next chunk's loads behind PV (alone and with q awaited late);
 the two-tile kernel with its words loaded into registers (with its splits and at one split)
 and staged; the default with its splits merged in XLA (as before the twelfth session, which
-merged them in the kernel), and with its slots made by an XLA op before the kernel (as before
-the twelfth session's close, which builds them in the kernel); and the exchange kernel
-without the top-k rows' gather and decode, without the gather alone, or without the decode
-alone
-(leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
+merged them in the kernel; since the fourteenth, the default does so at two splits only) and
+merged in the kernel at any number of splits; with its slots made by an XLA op before the
+kernel (as before the thirteenth session, which made the kernel build them); and the exchange
+kernel without the top-k rows' gather and decode, without the gather alone, or without the
+decode alone (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
 
 
 def bf16_cache_attention(

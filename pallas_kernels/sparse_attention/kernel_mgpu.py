@@ -30,8 +30,9 @@ correct, but slower on the H200 (`NOTES.md`).
 
 When the batch alone leaves SMs idle, each (query, head group) is split over up to 4 CTAs, each
 taking a contiguous share of the chunks (split-KV); their bf16 partial outputs and log2-sum-exps
-are merged by log-sum-exp: in the default kernel on the GPU inside the kernel, the splits of a
-query running as one cluster (`TuningConfig.merge`, `_merge_splits`), else in XLA. The output
+are merged by log-sum-exp: in the default kernel on the GPU at two splits inside the kernel, the
+splits of a query running as one cluster (`TuningConfig.merge`, `_merge_splits`), else in XLA
+(a cluster of four was 16 µs slower than XLA's merge at batch 32: `merges_in_kernel`). The output
 is bf16 [B, H, D]; logits, softmax and accumulators are float32.
 
 The decode is PTX inlined through `plgpu.inline_mgpu` (sm_90 has no FP4 and no E4M3→bf16
@@ -297,17 +298,21 @@ class TuningConfig:
         2 µs at the copy ceiling). Off: no faster on an H100 (2026-12-06, NOTES.md; 34.4
         against 34.3 µs at batch 64, 52.1 against 52.3 at 128), where the wait for q still
         held 6.5 % of the warp samples at batch 128 (Nsight Compute).
-      merge: where the splits' partial outputs are merged, when a call runs more than one.
-        'kernel' (the pipelined kernel's default; `_merge_splits`): the splits of one (query,
-        head group) run as one cluster of CTAs; each writes its bf16 partial output and
-        log2-sum-exp, the cluster meets at a barrier, then warpgroup h of split h copies half
-        h of every split's partial back (from L2, just written), merges them by log-sum-exp
-        and writes that half of the output: no XLA op after the kernel. On an H100 at batch
-        64 (two splits) the kernel grew by 3.7 to 4.1 µs and the whole call shrank by 0.4 to
-        1.0 µs (NOTES.md, 2026-12-06). GPU only: interpreted, a cluster's barrier deadlocked
-        on a 2-core CPU, so interpret mode merges in XLA. 'xla' (the only one for the other
-        kernels): `_combine_splits`, two XLA ops after the kernel (1.1 + 3.2 µs at batch 64 on
-        the H200, 2026-12-04).
+      merge: where the splits' partial outputs are merged, when a call runs more than one;
+        None: 'kernel' for the pipelined kernel at two splits, else 'xla' (`merges_in_kernel`).
+        'kernel' (`_merge_splits`): the splits of one (query, head group) run as one cluster
+        of CTAs; each writes its bf16 partial output and log2-sum-exp, the cluster meets at a
+        barrier, then warpgroup h of split h copies half h of every split's partial back (from
+        L2, just written), merges them by log-sum-exp and writes that half of the output: no
+        XLA op after the kernel. On an H100 at batch 64 (two splits) the kernel grew by 3.7 to
+        4.1 µs and the whole call shrank by 0.4 to 1.0 µs (NOTES.md, 2026-12-06); at batch 32
+        (four splits, a cluster of four) the whole call took 37.1 µs against 21.2 µs merged in
+        XLA (H100, 2026-12-06, fourteenth session, two runs:
+        `results/bench_sparse_attention_h100_2026-12-06_batch32_run{1,2}.json`), so the default
+        merges in the kernel at two splits only. GPU only: interpreted, a cluster's barrier
+        deadlocked on a 2-core CPU, so interpret mode merges in XLA. 'xla' (the only one for
+        the other kernels): `_combine_splits`, two XLA ops after the kernel (1.1 + 3.2 µs at
+        batch 64 on the H200, 2026-12-04).
       slots: where each query's key slots (the window row or top-k index of every key of a
         chunk, −1 to skip) are made; None: 'kernel' for the pipelined kernel, else 'xla'
         (`builds_slots`). 'kernel' (the pipelined kernel's default since 2026-12-06,
@@ -384,9 +389,13 @@ class TuningConfig:
 
     def merges_in_kernel(self, splits: int) -> bool:
         """Whether a call with `splits` CTAs per (query, head group) merges their partial
-        outputs in the kernel (`merge`): the pipelined kernel does unless told 'xla'; one
-        split has nothing to merge."""
-        return splits > 1 and self.kernel == "pipelined" and self.merge != "xla"
+        outputs in the kernel (`merge`): the pipelined kernel does when told 'kernel', and by
+        default at two splits, where it was the faster (batch 64 on an H100, a cluster of two);
+        a cluster of four was 16 µs slower than the merge in XLA (batch 32, H100, 2026-12-06),
+        and three splits were not timed. One split has nothing to merge."""
+        if splits < 2 or self.kernel != "pipelined" or self.merge == "xla":
+            return False
+        return self.merge == "kernel" or splits == 2
 
     def builds_slots(self) -> bool:
         """Whether the kernel builds its key slots itself (`slots`): the pipelined kernel does
