@@ -1002,6 +1002,15 @@ def test_the_targets_table_reads_each_target_from_its_report_and_says_whether_it
     assert "`pooled.json`" in table and "`slower.json`" not in table, table
     with pytest.raises(ValueError, match=r"paths: .*other\.json is not a source-scan"):
         bench_tables.targets([{"copy": {}, "source_scan": {}}], [tmp_path / "other.json"])
+    # Issue 16's targets are the H200's: a figure from another card names it, on a part's
+    # device or its combined report's, and a note under the table says why.
+    combined |= {"device": "NVIDIA H100 80GB HBM3"}
+    on_h200 = pooled | {"device": "NVIDIA H200"}
+    table = bench_tables.targets([combined, on_h200], [tmp_path / "c.json", tmp_path / "p.json"])
+    assert "| 30.0× (route 2.400 ms against 72.000 ms) | yes (H100) | `c.json` |" in table, table
+    assert "| 90.1 µs (median of 1 calls, 90.1–90.1) | no | `p.json` |" in table, table
+    assert table.endswith("the share of that card's ceiling."), table
+    assert "(H100)" not in bench_tables.targets([on_h200], [tmp_path / "p.json"])
 
 
 def test_a_context_the_benchmark_could_not_run_is_printed_with_its_error():
@@ -1037,6 +1046,18 @@ def test_a_context_the_benchmark_could_not_run_is_printed_with_its_error():
 
     rows = bench_tables.targets([scan, pooled], [Path("scan.json"), Path("pooled.json")])
     assert rows.count("| — (1 M: error: RESOURCE_EXHAUSTED: Out of memory") == 4, rows
+
+    # A route that failed where the others ran (the XLA full scan's scores at 1 M on an 80 GB
+    # card): its cells say so, the ratio against it is left out, a note names the error.
+    pooled["contexts"]["1048576"] = measured | {"full_scan_topk": {"error": error}}
+    del pooled["contexts"]["1048576"]["speedup_vs_full_scan_topk"]
+    table = bench_tables.pooled_scoring(pooled)
+    assert "| 1M | error | 0.090 ms | 0.090 ms | 0.0900 ms | 0.0500 ms |" in table, table
+    assert "= 50% | — | 1.00× |" in table, table
+    assert "Not measured: full_scan_topk at 1M, error: RESOURCE_EXHAUSTED: Out of memory" \
+        in table, table  # fmt: skip
+    rows = bench_tables.targets([pooled], [Path("pooled.json")])
+    assert "| 90.0 µs | yes |" in rows and "| 50% (kernel 50.0 µs) | yes |" in rows, rows
     del pooled["contexts"]["1048576"]
     rows = bench_tables.targets([pooled], [Path("pooled.json")])
     assert rows.count("| — (1 M not run) | — | `pooled.json` |") == 2, rows
