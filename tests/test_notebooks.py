@@ -6,6 +6,7 @@ the test. Executed copies go to pytest's temporary directory, never into the rep
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,8 +45,10 @@ def kernel_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory) -> Path:
     """One JAX compilation cache for the session: the training notebooks compile the same
-    smoke-size train step, so the second one loads it instead of compiling it again."""
-    return tmp_path_factory.mktemp("jax_compilation_cache")
+    smoke-size train step, so the second one loads it instead of compiling it again. It is the
+    suite's own (tests/conftest.py), shared by both xdist workers, where there is one."""
+    shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    return Path(shared) if shared else tmp_path_factory.mktemp("jax_compilation_cache")
 
 
 @pytest.fixture

@@ -70,7 +70,8 @@ def alone():
     return _train(None)
 
 
-@pytest.mark.parametrize("n_data", [2, 8])
+# 8 only: the gradient at 2 and 8 is the test above's, and a run at 4 the one below.
+@pytest.mark.parametrize("n_data", [8])
 def test_a_data_parallel_step_equals_the_one_device_step(alone, n_data):
     want_params, want_metrics, _ = alone
     params, metrics, model = _train(train.make_mesh({"data": n_data}))
