@@ -15,6 +15,8 @@
 #                                   # | attention_ptxas (the eleventh's) | merge | slots (the
 #                                   # twelfth's) | slots_default | combined (the thirteenth's)
 #                                   # | h200_default | batch32 (the fourteenth's)
+#                                   # | split_keys | split_keys_runs
+#                                   # | keys_default (the fifteenth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -388,6 +390,49 @@ if [[ $stage == batch32 ]]; then
       --batches 32 64 --variants xla_merge splits1 \
       --out "$OUT/bench_sparse_attention_batch32_run$run.json" >/dev/null || status=1
   done
+fi
+if [[ $stage == split_keys ]]; then
+  # The fifteenth session's second: `qk='keys'` (each warpgroup computes the logits of half
+  # the keys, P shared through shared memory) compiled against the definition; the benchmark
+  # at batches 32, 40, 64 and 128: the default, the split keys (staged words: they fit since
+  # the scale words are packed), the split keys and the two-tile kernel with their words in
+  # registers (a pair without the staging), the merge in XLA forced; then the GPU tests of
+  # the default at its new merge rule and of both kernels' staged gather (packed scale words).
+  # Guards total 570 s.
+  timeout -s INT 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "keys_split" \
+    2>&1 | tee "$OUT/gpu_tests_attention_split_keys.log" | tail -6 || status=1
+  timeout -s INT 200 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --batches 32 40 64 128 --variants split_keys split_keys_registers pipelined xla_merge \
+    --out "$OUT/bench_sparse_attention_split_keys.json" >/dev/null || status=1
+  timeout -s INT 220 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "merge or test_matches_reference_gpu or async" \
+    2>&1 | tee "$OUT/gpu_tests_attention_merge_default.log" | tail -6 || status=1
+fi
+if [[ $stage == split_keys_runs ]]; then
+  # The fifteenth session's third (run on the warm machine right after split_keys, whose bench
+  # run is run 1): two more runs of the same benchmark without `xla_merge`, then the four
+  # merge tests at four splits that split_keys' last guard cut. 267 s on an H100.
+  for run in 2 3; do
+    timeout -s INT 130 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+      --batches 32 40 64 128 --variants split_keys split_keys_registers pipelined \
+      --out "$OUT/bench_sparse_attention_split_keys_run$run.json" >/dev/null || status=1
+  done
+  timeout -s INT 100 "$PY" -m pytest -m gpu -v -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "merge_in_the_kernel_equals and 4-" 2>&1 \
+    | tail -12 >"$OUT/gpu_tests_merge4.log" || status=1
+fi
+if [[ $stage == keys_default ]]; then
+  # The fifteenth session's fourth: the default with the keys split (`resolve_pipelined`) and
+  # the words in registers from three splits, beside the full logits (`heads`, same gather),
+  # then the GPU tests of the default, the split keys and the merge. 209 s on an H100.
+  timeout -s INT 90 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    --batches 32 64 128 --variants heads --out "$OUT/bench_sparse_attention_keys_default.json" \
+    >/dev/null || status=1
+  timeout -s INT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py \
+    -k "keys_split or test_matches_reference_gpu or merge_in_the_kernel_equals" 2>&1 \
+    | tail -4 | tee "$OUT/gpu_tests_keys_default.log" || status=1
 fi
 if [[ $stage == decode_tests ]]; then
   # tests/test_decode_kernels.py's GPU tests, a call of their own: on 2026-12-04 the first took

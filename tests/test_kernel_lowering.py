@@ -177,12 +177,12 @@ def test_the_attention_kernels_leave_one_out_variants_lower(ablation):
 
 def test_the_default_attention_kernel_stages_its_words_while_they_fit():
     """`kernel_mgpu.supports`' docstring: at D = 512 the pipelined kernel's staged words fit
-    beside 40 chunks of slots (a top-k of 2,432 and a window of 128), and from 41 its default
+    beside 48 chunks of slots (a top-k of 2,944 and a window of 128), and from 49 its default
     loads them into registers (`resolve_gather`), up to 118 chunks (7,552). Both sides of each
     boundary are lowered: the estimate (`pipelined_shared_bytes`) is Mosaic GPU's own count."""
 
     def attend(gather=None):
-        tuning = kernel_mgpu.TuningConfig(gather=gather)
+        tuning = kernel_mgpu.TuningConfig(gather=gather, splits=1)
         return functools.partial(
             attention_api.fp4_sparse_attention,
             implementation="pallas",
@@ -190,29 +190,30 @@ def test_the_default_attention_kernel_stages_its_words_while_they_fit():
         )
 
     default = kernel_mgpu.TuningConfig()
-    assert kernel_mgpu.resolve_gather(default, 1, 512, n_chunks=2 + 2432 // 64) == "async"
-    assert kernel_mgpu.resolve_gather(default, 1, 512, n_chunks=3 + 2432 // 64) == "registers"
+    assert kernel_mgpu.resolve_gather(default, 1, 512, n_chunks=2 + 2944 // 64) == "async"
+    assert kernel_mgpu.resolve_gather(default, 1, 512, n_chunks=3 + 2944 // 64) == "registers"
     assert kernel_mgpu.resolve_gather(default, 1, 256, n_chunks=250) == "async"
-    lowers_to(attend(), *attention_args(64, topk=2432), mosaic_gpu=1)
-    lowers_to(attend(), *attention_args(64, topk=2496), mosaic_gpu=1)
+    lowers_to(attend(), *attention_args(64, topk=2944), mosaic_gpu=1)
+    lowers_to(attend(), *attention_args(64, topk=3008), mosaic_gpu=1)
     lowers_to(attend(), *attention_args(64, topk=7552), mosaic_gpu=1)
-    for gather, topk in (("async", 2496), (None, 7616)):
+    for gather, topk in (("async", 3008), (None, 7616)):
         with pytest.raises(ValueError, match="exceeds available shared memory"):
             lowering.lower_for_gpu(attend(gather), *attention_args(64, topk=topk))
 
 
-@pytest.mark.parametrize("splits", (2, 4))
-def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits(splits):
-    """With its splits merged in the kernel (`merge='kernel'`), the pipelined kernel takes
-    about 1 KB more (the splits' log-sum-exps, three barriers), so the staged words fit beside
-    fewer chunks: the estimate (`pipelined_shared_bytes`) picks 'async' only where the kernel
-    lowers, and is at most one chunk short of Mosaic GPU's own count (its alignment: a chunk's
-    slots are 256 bytes)."""
+def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits():
+    """With its two splits merged in the kernel (the default at two; `merge='kernel'`), the
+    pipelined kernel takes about 1 KB more (the splits' log-sum-exps, three barriers), so the
+    staged words fit beside fewer chunks: the estimate (`pipelined_shared_bytes`) picks 'async'
+    only where the kernel lowers, and is at most one chunk short of Mosaic GPU's own count (its
+    alignment: a chunk's slots are 256 bytes). At more splits the words go through registers
+    (`gather_for`), so there is no boundary to check."""
+    splits = 2
     default = kernel_mgpu.TuningConfig(splits=splits, merge="kernel")
     last = max(
         n for n in range(2, 60) if kernel_mgpu.resolve_gather(default, splits, 512, n) == "async"
     )
-    assert 30 < last < 40  # 40 without the merge (the test above)
+    assert 38 < last < 48  # 48 without the merge (the test above)
 
     def attend(gather=None):
         tuning = kernel_mgpu.TuningConfig(splits=splits, gather=gather, merge="kernel")
@@ -245,6 +246,30 @@ def test_the_exchange_kernel_fits_a_top_k_of_thousands(gather, topk):
         lowering.lower_for_gpu(attend, *attention_args(64, topk=2 * topk))
 
 
+def test_the_split_keys_take_the_staged_gather_only_where_it_fits():
+    """`qk='keys'` adds the P tile and the row exchange (9 KB): its estimate
+    (`pipelined_shared_bytes`) picks the staged gather only where the kernel lowers; at
+    top-512 beside a window of 128 (10 chunks) the words are still staged (with the scale
+    words packed, fifteenth session: 12 chunks), so the split keys run the default's gather."""
+    split = kernel_mgpu.TuningConfig(qk="keys")
+    last = max(n for n in range(2, 60) if kernel_mgpu.resolve_gather(split, 1, 512, n) == "async")
+    assert 10 <= last < 48 and kernel_mgpu.resolve_gather(split, 1, 512, last + 1) == "registers"
+
+    def attend(gather=None):
+        tuning = kernel_mgpu.TuningConfig(qk="keys", gather=gather, splits=1)
+        return functools.partial(
+            attention_api.fp4_sparse_attention,
+            implementation="pallas",
+            config=attention_api.Config(mgpu=tuning),
+        )
+
+    topk = (last - 2) * 64  # two window chunks
+    lowers_to(attend(), *attention_args(64, topk=topk), mosaic_gpu=1)
+    lowers_to(attend(), *attention_args(64, topk=topk + 64), mosaic_gpu=1)  # registers
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lowering.lower_for_gpu(attend("async"), *attention_args(64, topk=topk + 128))
+
+
 ATTENTION_VARIANTS = {
     "default": kernel_mgpu.TuningConfig(),
     "exchange": kernel_mgpu.TuningConfig(kernel="exchange"),
@@ -258,6 +283,7 @@ ATTENTION_VARIANTS = {
     "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
     "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3, merge="kernel"),
     "slots_in_xla": kernel_mgpu.TuningConfig(slots="xla"),
+    "split_keys": kernel_mgpu.TuningConfig(qk="keys"),
 }
 
 

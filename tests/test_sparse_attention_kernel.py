@@ -380,6 +380,29 @@ def test_pipelined_kernel_matches_reference_gpu(case, splits, gather):
     check_variant_compiled(tuning, case, 18)
 
 
+@pytest.mark.parametrize(("gather", "splits"), [("registers", None), (None, 3)])
+def test_keys_split_between_the_warpgroups_match_reference(gather, splits):
+    """`qk='keys'`: each warpgroup computes the logits of half the chunk's keys, the two swap
+    their row maxima, write P into one shared tile and run PV from it; the sink counts once,
+    the row sums are added at the end. Interpreted (its race detector sees both P halves
+    written before either PV reads the tile), at one split and at three (splits that start in
+    the window or the top-k, ragged chunks, no window, an empty row: `variant_cases`)."""
+    tuning = kernel_mgpu.TuningConfig(qk="keys", gather=gather, splits=splits)
+    check_variant_interpreted(tuning, variant_cases(splits), 25)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
+@pytest.mark.parametrize("splits", (None, 1, 2))
+def test_keys_split_between_the_warpgroups_match_reference_gpu(case, splits):
+    """`qk='keys'` compiled: every case against the definition, the same bits twice; P's
+    halves stored at their swizzled addresses by hand (`_store_p_half`), PV's A from that
+    tile. `splits=None` runs four on 132 SMs at these batches (merged in XLA), two merge in
+    the kernel."""
+    check_variant_compiled(kernel_mgpu.TuningConfig(qk="keys", splits=splits), case, 26)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
@@ -445,12 +468,28 @@ def test_the_merge_and_the_slots_run_in_the_pipelined_kernel_by_default():
 
 def test_the_default_gather_resolves_per_kernel_and_split():
     """`gather=None` resolves per call: the pipelined kernel (the default) stages its words
-    with `cp.async`; the exchange kernel loads them behind PV where a CTA runs all its query's
+    with `cp.async` at one or two splits, loads them into registers at more; it splits the
+    keys between its warpgroups unless only the full logits leave room for the staging
+    (`resolve_pipelined`); the exchange kernel loads them behind PV where a CTA runs all its query's
     chunks (one split), at each chunk's start with more splits, under an ablation or beside
     `prefetch`; a gather that is set is kept."""
     default = kernel_mgpu.TuningConfig()
     assert default.gather is None and default.kernel == "pipelined"
-    assert [default.gather_for(s) for s in (1, 2, 4)] == ["async"] * 3
+    assert [default.gather_for(s) for s in (1, 2, 3, 4)] == ["async"] * 2 + ["registers"] * 2
+    # Top-512 beside a window of 128: at two splits the merge's buffers leave the P tile no
+    # room beside the staged words, so the full logits keep them.
+    assert [kernel_mgpu.resolve_pipelined(default, s, 512, 10) for s in (1, 2, 3, 4)] == [
+        ("async", True),
+        ("async", False),
+        ("registers", True),
+        ("registers", True),
+    ]
+    # Past 12 chunks at one split only the full logits leave room for the staged words.
+    assert kernel_mgpu.resolve_pipelined(default, 1, 512, 13) == ("async", False)
+    heads = kernel_mgpu.TuningConfig(qk="heads")
+    assert kernel_mgpu.resolve_pipelined(heads, 1, 512, 10) == ("async", False)
+    keys = kernel_mgpu.TuningConfig(qk="keys")
+    assert kernel_mgpu.resolve_pipelined(keys, 1, 512, 13) == ("registers", True)
     exchange = kernel_mgpu.TuningConfig(kernel="exchange")
     assert [exchange.gather_for(s) for s in (1, 2, 4)] == ["behind_pv", "registers", "registers"]
     assert kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers").gather_for(1) == (
@@ -489,6 +528,14 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(kernel="fused")
     with pytest.raises(ValueError, match="ablation"):
         kernel_mgpu.TuningConfig(ablation="no_window")
+    with pytest.raises(
+        ValueError, match=r"qk: expected None or one of \('heads', 'keys'\), got 'dims'"
+    ):
+        kernel_mgpu.TuningConfig(qk="dims")
+    with pytest.raises(
+        ValueError, match="qk: 'keys' only with kernel='pipelined', got kernel='exchange'"
+    ):
+        kernel_mgpu.TuningConfig(qk="keys", kernel="exchange")
     args = make_case(4, **CPU_CASES["ragged"])
     for ablation in ("no_topk_gather", "no_topk_decode"):
         config = api.Config(mgpu=kernel_mgpu.TuningConfig(kernel="exchange", ablation=ablation))

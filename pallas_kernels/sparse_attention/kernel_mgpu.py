@@ -212,8 +212,8 @@ def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
     """Whether the kernel takes attention over `kv_fmt` main-KV rows and `window_fmt` window
     rows of `dim` values: NVFP4 main KV, FP8 window, D in `HEAD_DIMS`. Any head count (padded
     to 64); keys as far as shared memory holds their slots, which a CTA keeps for every chunk
-    of the window and the top-k: at D = 512 (any window), 40 chunks of 64 keys with the
-    words staged by `cp.async` (a top-k of 2,432 beside a window of 128), 118 with them in
+    of the window and the top-k: at D = 512 (any window), 48 chunks of 64 keys with the
+    words staged by `cp.async` (a top-k of 2,944 beside a window of 128), 118 with them in
     registers (7,552). The default kernel stages them while they fit and loads them into
     registers beyond (`resolve_gather`); a gather that is set and does not fit is refused by
     Mosaic GPU while lowering, naming the bytes (`tests/test_kernel_lowering.py`)."""
@@ -239,6 +239,9 @@ MERGES = ("kernel", "xla")
 
 SLOT_SOURCES = ("kernel", "xla")
 """`TuningConfig.slots`: where the key slots (row or −1 per key of each chunk) are made."""
+
+QK_SPLITS = ("heads", "keys")
+"""`TuningConfig.qk`: what the pipelined kernel's two warpgroups share out in QK^T."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +327,22 @@ class TuningConfig:
         (`test_the_slots_built_in_the_kernel_are_xlas_gpu`, H100, 2026-12-06); the whole call
         was 1.7 µs shorter at batch 64 and 1.8 µs at 128 on the H100 (NOTES.md), where the
         kernel itself did not change.
+      qk: ('pipelined' only) how its two warpgroups share QK^T; None: 'keys', unless only
+        'heads' leaves room for a preferred staged gather or the P tile does not fit
+        (`resolve_pipelined`; at D = 512: past 12 chunks at one split, and at two splits with
+        their merge in the kernel from 10 chunks, i.e. at top-512 and a window of 128).
+        'heads': each
+        computes the logits of all 64 keys over the full D, the same logits twice (1.5 times
+        the exchange kernel's tensor work per chunk), and keeps P in registers for its PV.
+        'keys' (`_split_keys_softmax`, fifteenth session): warpgroup w computes the logits of
+        keys [32w, 32w + 32) only (a wgmma 64×32 per half of D: the tensor work of QK^T
+        halved), the two swap their row maxima through shared memory, each writes its half
+        of P (bf16) into a shared [64, 64] tile, and both run PV from that tile after a second
+        barrier. 9 KB more shared memory: at D = 512 the staged gather fits beside 12 chunks
+        of slots (top-640 and a window of 128). On an H100 (three runs, fifteenth session,
+        NOTES.md), against 'heads' with the same gather: at batch 128 1.6 µs shorter staged
+        and 1.6 registers; at 64 (two splits) +0.1 staged, −1.5 registers; at 32 and 40
+        (four and three splits, registers) −0.5 and −0.7.
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
@@ -342,9 +361,14 @@ class TuningConfig:
     q_overlap: bool = False
     merge: str | None = None
     slots: str | None = None
+    qk: str | None = None
     ablation: str | None = None
 
     def __post_init__(self):
+        if self.qk not in (None, *QK_SPLITS):
+            raise ValueError(f"qk: expected None or one of {QK_SPLITS}, got {self.qk!r}")
+        if self.qk == "keys" and self.kernel != "pipelined":
+            raise ValueError(f"qk: 'keys' only with kernel='pipelined', got kernel={self.kernel!r}")
         if self.slots not in (None, *SLOT_SOURCES):
             raise ValueError(f"slots: expected None or one of {SLOT_SOURCES}, got {self.slots!r}")
         if self.slots == "kernel" and self.kernel != "pipelined":
@@ -404,14 +428,16 @@ class TuningConfig:
 
     def gather_for(self, splits: int, staging_fits: bool = True) -> str:
         """The gather a call with `splits` CTAs per (query, head group) runs: `gather` as set;
-        else for the pipelined kernel 'async' where its staging fits beside the call's slots
-        (`staging_fits`, `resolve_gather`), 'registers' where not; 'behind_pv' for one split of
+        else for the pipelined kernel 'async' at one or two splits where its staging fits
+        beside the call's slots (`staging_fits`, `resolve_pipelined`), 'registers' at three or
+        more (2 to 3 chunks per CTA: 0.6 to 1.1 µs faster at batches 32 and 40 on an H100,
+        fifteenth session, NOTES.md) or where it does not fit; 'behind_pv' for one split of
         the exchange kernel without prefetch or ablation (faster there on an H100, slower with
         two splits: the docstring above); else 'registers'."""
         if self.gather is not None:
             return self.gather
         if self.kernel == "pipelined":
-            return "async" if staging_fits else "registers"
+            return "async" if staging_fits and splits <= 2 else "registers"
         plain = self.kernel == "exchange" and not self.prefetch and self.ablation is None
         return "behind_pv" if plain and splits == 1 else "registers"
 
@@ -512,12 +538,10 @@ class _Geometry:
         return 9 * self.pieces
 
     @property
-    def staged_quads(self) -> int:  # 16-byte slots per thread of the staged gather
-        return 2 * self.pieces + 1  # two per piece's nibbles, one for all scale words
-
-    @property
-    def staging_shape(self) -> tuple[int, ...]:  # int32 slots of the staged gather, per CTA
-        return (2, self.staged_quads, WARPGROUP, 4)
+    def staging_shape(self) -> tuple[int, ...]:  # int32 words of the staged gather, per CTA
+        # Per warpgroup, 2·pieces 16-byte slots of nibbles per thread (slot-major), then each
+        # thread's `pieces` scale words side by side: 72 bytes a thread at D = 512.
+        return (2, self.fp4_words * WARPGROUP)
 
     @classmethod
     def of(cls, dim: int) -> _Geometry:
@@ -595,9 +619,19 @@ def _fp4_load(
 
 
 def _staging_address(staging: ir.Value, tid: ir.Value, quad: int) -> ir.Value:
-    """Shared address of this thread's 16-byte slot `quad` in `staging` [quads, 128, 4] int32:
-    slot-major, so a warp's 32 threads touch 512 consecutive bytes (no bank conflict)."""
+    """Shared address of this thread's 16-byte slot `quad` of nibbles in a warpgroup's
+    `staging` (`_Geometry.staging_shape`): slot-major, so a warp's 32 threads touch 512
+    consecutive bytes (no bank conflict)."""
     offset = arith.shli(arith.addi(tid, _i32(quad * WARPGROUP)), _i32(4))
+    return arith.addi(_smem_address(staging), offset)
+
+
+def _staged_scales_address(geometry: _Geometry, staging: ir.Value, tid: ir.Value) -> ir.Value:
+    """Shared address of this thread's `pieces` scale words in `staging`, after every thread's
+    nibble slots: a warp's 32 threads read 4·pieces·32 consecutive bytes."""
+    offset = arith.addi(
+        _i32(2 * geometry.pieces * WARPGROUP * 16), arith.muli(tid, _i32(4 * geometry.pieces))
+    )
     return arith.addi(_smem_address(staging), offset)
 
 
@@ -606,13 +640,14 @@ def _fp4_stage(
 ) -> None:
     """Starts copying this thread's raw words of one chunk (`_fp4_load`'s, in the same order)
     into its slots of `staging` with `cp.async`, one commit group: per piece two 16-byte copies
-    of nibbles to slots 2·piece and 2·piece + 1, its scale word to word `piece` of the last slot.
+    of nibbles to slots 2·piece and 2·piece + 1, its scale word to this thread's scale word
+    `piece` (`_staged_scales_address`).
     A −1 slot copies 0 bytes of row 0: the slots fill with zeros, as `_fp4_load`'s words are."""
     tid, _ = _half_index(half)
     valid, _, pieces = _fp4_addresses(geometry, kv_rows, slots, half)
     size16 = arith.select(valid, _i32(16), _i32(0))
     size4 = arith.select(valid, _i32(4), _i32(0))
-    scale_slot = _staging_address(staging, tid, 2 * geometry.pieces)
+    scale_slot = _staged_scales_address(geometry, staging, tid)
     for piece, (nib_address, sc_address) in enumerate(pieces):
         for j in range(2):
             dst = _staging_address(staging, tid, 2 * piece + j)
@@ -639,7 +674,20 @@ def _fp4_unstage(geometry: _Geometry, staging: ir.Value) -> list[ir.Value]:
             )
         )
 
-    scales = read(2 * geometry.pieces)
+    scale_ptx = (
+        "ld.shared.u32 $0, [$1];"
+        if geometry.pieces == 1
+        else f"ld.shared.v{geometry.pieces}.u32 {{"
+        + ", ".join(f"${i}" for i in range(geometry.pieces))
+        + f"}}, [${geometry.pieces}];"
+    )
+    scales = mgpu_utils.inline_ptx(
+        scale_ptx,
+        _staged_scales_address(geometry, staging, tid),
+        result_types=i32 if geometry.pieces == 1 else [i32] * geometry.pieces,
+        has_side_effects=True,
+    )
+    scales = [scales] if geometry.pieces == 1 else list(scales)
     words = []
     for piece in range(geometry.pieces):
         words += read(2 * piece) + read(2 * piece + 1) + [scales[piece]]
@@ -892,17 +940,98 @@ def _softmax_step(s, slots_ref, acc, m, denom, logit_scale: float):
     return p.astype(jnp.bfloat16), acc, m_new, denom
 
 
+HALF_KV = BLOCK_KV // 2  # keys per warpgroup with qk='keys'
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(_TILE)))
+def _store_p_half(ctx, p, dst):
+    """Stores this warpgroup's P [64 heads, 32 keys] (bf16, WGMMA layout) into columns
+    [32·wg, 32·wg + 32) of the [64, 64] tile `dst` ((8, 64) tiling, 128-byte swizzle), one
+    32-bit pair per register: the tile's 16-byte chunk of a column is XORed with the row
+    (mod 8), as `_store_chunk`. Pallas refuses a column slice inside a 64-wide tile, so the
+    addresses are computed here."""
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    _, wg = _thread_in_warpgroup()
+    base = _smem_address(dst)
+    column0 = arith.muli(wg, _i32(HALF_KV))
+    registers = np.ndindex(p.registers.shape)
+    for idx, reg_idx in zip(p.layout.thread_idxs(p.shape), registers, strict=True):
+        row, col = (arith.index_cast(i32, i) for i in idx)
+        col = arith.addi(col, column0)
+        r = arith.andi(row, _i32(7))
+        chunk = arith.xori(arith.shrui(col, _i32(3)), r)
+        address = arith.addi(base, arith.shli(arith.shrui(row, _i32(3)), _i32(10)))
+        address = arith.addi(address, arith.shli(r, _i32(7)))
+        address = arith.addi(address, arith.shli(chunk, _i32(4)))
+        address = arith.addi(address, arith.shli(arith.andi(col, _i32(7)), _i32(1)))
+        word = mgpu_utils.bitcast(p.registers[reg_idx], i32)
+        mgpu_utils.inline_ptx("st.shared.b32 [$0], $1;", address, word, has_side_effects=True)
+
+
+def _split_keys_softmax(
+    s, slots_ref, acc, m, denom, logit_scale: float, mx_smem, mx_barrier, p_tile, interpret
+):
+    """`_softmax_step` for qk='keys': `s` [64 heads, 32 keys] holds this warpgroup's keys
+    [32·wg, 32·wg + 32) only. The two warpgroups swap their new row maxima through `mx_smem`
+    [2, 64] (max is exact and commutes: both get the same m), then each writes its half of P
+    into `p_tile` [64, 64] and fences it for the wgmmas; the caller's barrier makes both
+    halves visible before PV. `denom` is this warpgroup's own share of the row sums (its keys;
+    the sink in warpgroup 0's), summed across the two at the end (`_exchange_rows`)."""
+    wg = lax.axis_index("wg")
+    slots = plgpu.load(
+        slots_ref.at[pl.ds(wg * HALF_KV, HALF_KV)], layout=plgpu.Layout.WGMMA.reduce(0)
+    )
+    valid = lax.broadcast_in_dim(slots >= 0, s.shape, [1])
+    s = jnp.where(valid, s * logit_scale, -jnp.inf)
+    m_own = jnp.maximum(m, s.max(axis=1))
+    m_new = jnp.maximum(m_own, _exchange_rows(m_own, mx_smem, mx_barrier))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    denom = denom * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p16 = p.astype(jnp.bfloat16)
+    if interpret:  # a plain buffer there: the interpreter slices it
+        for w in range(2):
+
+            @pl.when(wg == w)
+            def _(w=w):
+                p_tile.at[:, pl.ds(w * HALF_KV, HALF_KV)][...] = p16
+
+    else:
+        _store_p_half(p16, p_tile)
+    plgpu.commit_smem()  # ordinary stores, read by the wgmmas (the async proxy)
+    return acc, m_new, denom
+
+
+def _exchange_rows(x, mx_smem, mx_barrier):
+    """The other warpgroup's per-row vector `x` [64] (WGMMA rows): each writes its own to
+    `mx_smem[wg]`, both meet at `mx_barrier`, each reads the other's. A warpgroup writes its
+    slot again only after the next barrier of the chunk (the P tile's), which the other passes
+    only after reading it."""
+    wg = lax.axis_index("wg")
+    mx_smem[wg] = x
+    plgpu.barrier_arrive(mx_barrier)
+    plgpu.barrier_wait(mx_barrier)
+    return plgpu.load(mx_smem.at[1 - wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+
 def _pv_in_interpreter(acc, p16, p_smem, v_ref):
     """acc + P·V as the interpreter can run it: it runs neither `run_state` nor a wgmma with A
     in registers, so P is staged in shared memory and a fresh product is added."""
     p_smem[...] = p16
     plgpu.commit_smem()
+    return acc + _pv_fresh(p_smem, v_ref, acc.shape)
 
-    def pv_fresh(acc_ref):
+
+def _pv_fresh(p_smem, v_ref, shape):
+    """P·V from shared memory into a fresh accumulator of `shape` (the interpreter's PV)."""
+
+    def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_smem, v_ref)
         return acc_ref[...]
 
-    return acc + pl.run_scoped(pv_fresh, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_scoped(pv, plgpu.ACC(shape, jnp.float32))
 
 
 def _write_output(acc, m, denom, out_smem, o_ref, lse_ref, lse_smem, *, b, split, heads, splits):
@@ -1436,6 +1565,7 @@ def _pipelined_kernel(
     gather: str,
     merge: bool,
     interpret: bool,
+    split_keys: bool = False,
 ):
     """Two key tiles, no logit exchange (`TuningConfig(kernel='pipelined')`): k_smem holds
     [2 tiles, 2 halves of D, 64 keys, D/2]; chunk c lives in tile c % 2. Warpgroup w decodes
@@ -1466,11 +1596,19 @@ def _pipelined_kernel(
 
     With `merge` (`TuningConfig.merge`), `refs` starts with the merged output [B, H, D] and the
     splits of a query and head group are one cluster: after writing its partial, each CTA
-    merges its share of the output (`_merge_splits`)."""
+    merges its share of the output (`_merge_splits`).
+
+    With `split_keys` (`TuningConfig.qk='keys'`), step 2 computes the logits of this
+    warpgroup's 32 keys only (two wgmma 64×32×D/2), and step 3 swaps the row maxima and
+    writes P into a shared tile (`_split_keys_softmax`), then meets the other warpgroup at
+    `key_barriers[1]` before PV reads P from there: the P tile is rewritten only after both
+    passed the next chunk's maxima barrier, i.e. after both PVs of this chunk were awaited."""
     final_ref, *refs = refs if merge else (None, *refs)
     q_smem, k_smem, slots_smem, sink_smem, lse_smem, load_barriers, full_barriers, *optional = refs
     staging = optional.pop(0).at[lax.axis_index("wg")] if gather == "async" else None
     merge_scratch = [optional.pop(0) for _ in range(4)] if merge else None
+    if split_keys:  # the P tile, the row exchange, its barriers (maxima, P)
+        p_tile, mx_smem, key_barriers = (optional.pop(0) for _ in range(3))
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
@@ -1530,19 +1668,48 @@ def _pipelined_kernel(
         tile = k_smem.at[c % 2]
         plgpu.barrier_wait(full_barriers.at[c % 2])
 
+        keys = pl.ds(pl.multiple_of(wg * HALF_KV, HALF_KV), HALF_KV) if split_keys else slice(None)
+
         def qk(s_ref):
             for h in range(2):
-                plgpu.wgmma(s_ref, q_smem.at[h], tile.at[h].T)
+                plgpu.wgmma(s_ref, q_smem.at[h], tile.at[h, keys].T)
             return s_ref[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_HEADS, BLOCK_KV), jnp.float32))
-        p16, acc, m, denom = _softmax_step(s, chunk_slots(c), acc, m, denom, logit_scale)
+        n_keys = HALF_KV if split_keys else BLOCK_KV
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_HEADS, n_keys), jnp.float32))
 
         def decode_next():
             @pl.when(c + 1 < hi)
             def _():
                 decode(c + 1, raw_next)
 
+        if split_keys:
+            acc, m, denom = _split_keys_softmax(
+                s,
+                chunk_slots(c),
+                acc,
+                m,
+                denom,
+                logit_scale,
+                mx_smem,
+                key_barriers.at[0],
+                p_tile,
+                interpret,
+            )
+            plgpu.barrier_arrive(key_barriers.at[1])  # both halves of P written
+            plgpu.barrier_wait(key_barriers.at[1])
+            if interpret:  # no `run_state` there: a fresh product, added
+                acc = acc + _pv_fresh(p_tile, tile.at[wg], acc.shape)
+                decode_next()
+                return acc, m, denom
+
+            def pv_shared(acc_ref):  # P from the shared tile; the next decode meanwhile
+                plgpu.wgmma(acc_ref, p_tile, tile.at[wg])
+                decode_next()
+
+            return pl.run_state(pv_shared)(plgpu.ACC.init(acc)), m, denom
+
+        p16, acc, m, denom = _softmax_step(s, chunk_slots(c), acc, m, denom, logit_scale)
         if interpret:
             acc = _pv_in_interpreter(acc, p16, p_smem.at[wg], tile.at[wg])
             decode_next()
@@ -1554,8 +1721,12 @@ def _pipelined_kernel(
 
         return pl.run_state(pv)(plgpu.ACC.init(acc)), m, denom
 
-    carry = _open_softmax(sink_smem.at[wg], half, split)
-    acc, m, denom = lax.fori_loop(lo, hi, step, carry)
+    acc, m, denom = _open_softmax(sink_smem.at[wg], half, split)
+    if split_keys:  # the sink's term counted once, in warpgroup 0's share of the sums
+        denom = denom * jnp.where(wg == 0, 1.0, 0.0)  # a −inf sink's 0 stays 0, a NaN NaN
+    acc, m, denom = lax.fori_loop(lo, hi, step, (acc, m, denom))
+    if split_keys:  # both warpgroups' shares (a + b == b + a: the same sums in both)
+        denom = denom + _exchange_rows(denom, mx_smem, key_barriers.at[0])
     _write_output(
         acc,
         m,
@@ -1590,18 +1761,23 @@ SHARED_MEMORY_BYTES = 232_448
 
 MOSAIC_SHARED_OVERHEAD = 4_288
 """Bytes Mosaic GPU's allocation adds to the pipelined kernel's scratch buffers (alignment, its
-own use), measured by lowering for the H200 with jax 0.11.2: at D = 512 it lowers with 40
-chunks' slots and its staged words, and refuses 41 (`tests/test_kernel_lowering.py` checks
-both sides)."""
+own use), measured by lowering for the H200 with jax 0.11.2: at D = 512 it lowers with 48
+chunks' slots and its staged words, and refuses 49 (`tests/test_kernel_lowering.py` checks
+both sides; 40 and 41 before the staged scale words were packed, fifteenth session)."""
 
 
 def pipelined_shared_bytes(
-    geometry: _Geometry, n_chunks: int, gather: str, merge_splits: int = 0
+    geometry: _Geometry,
+    n_chunks: int,
+    gather: str,
+    merge_splits: int = 0,
+    split_keys: bool = False,
 ) -> int:
     """Shared memory of the pipelined kernel over `n_chunks` chunks of slots: q, two key tiles,
     the slots, the sink and the log-sum-exp, the barriers, the staged words with
     gather='async', the merge's log-sum-exps and barriers where it merges `merge_splits`
-    splits, and `MOSAIC_SHARED_OVERHEAD`."""
+    splits, the P tile, the row exchange and its two barriers with `split_keys` (qk='keys'),
+    and `MOSAIC_SHARED_OVERHEAD`."""
     scratch = 2 * BLOCK_HEADS * geometry.half * 2  # q, bf16
     scratch += 2 * 2 * BLOCK_KV * geometry.half * 2  # two key tiles, both halves
     scratch += n_chunks * BLOCK_KV * 4 + 3 * BLOCK_HEADS * 4 + 8 * 8  # slots, sink, lse, barriers
@@ -1609,17 +1785,40 @@ def pipelined_shared_bytes(
         scratch += math.prod(geometry.staging_shape) * 4
     if merge_splits:  # the log-sum-exps (Mosaic GPU took 1 KB for them) and three barriers
         scratch += _round_up(merge_splits * BLOCK_HEADS * 4, 1024) + 3 * 8
+    if split_keys:  # the P tile; the row exchange and two barriers (Mosaic GPU took 1 KB)
+        scratch += BLOCK_HEADS * BLOCK_KV * 2 + 1024
     return scratch + MOSAIC_SHARED_OVERHEAD
 
 
-def resolve_gather(config: TuningConfig, splits: int, dim: int, n_chunks: int) -> str:
-    """The gather a call runs (`TuningConfig.gather_for`): for the pipelined kernel left to
-    choose, its words staged by `cp.async` where they fit in shared memory beside the slots of
-    `n_chunks` chunks of a `dim`-wide latent (and the merge's buffers, `merges_in_kernel`), in
-    registers beyond."""
+def resolve_pipelined(
+    config: TuningConfig, splits: int, dim: int, n_chunks: int
+) -> tuple[str, bool]:
+    """(gather, split keys) of a pipelined-kernel call over `n_chunks` chunks of a `dim`-wide
+    latent at `splits` splits (`TuningConfig.gather_for`, `TuningConfig.qk`): the staged gather
+    where it is preferred and fits in shared memory beside the slots (and the merge's buffers,
+    `merges_in_kernel`, and the P tile with the split keys), registers beyond. Left to choose,
+    the keys are split unless only the full logits leave room for a preferred staged gather
+    (at D = 512, past 12 chunks at one split) or the P tile does not fit at all."""
     merge_splits = splits if config.merges_in_kernel(splits) else 0
-    needs = pipelined_shared_bytes(_Geometry.of(dim), n_chunks, "async", merge_splits)
-    return config.gather_for(splits, staging_fits=needs <= SHARED_MEMORY_BYTES)
+
+    def fits(gather: str, split_keys: bool) -> bool:
+        needs = pipelined_shared_bytes(
+            _Geometry.of(dim), n_chunks, gather, merge_splits, split_keys
+        )
+        return needs <= SHARED_MEMORY_BYTES
+
+    def gather(split_keys: bool) -> str:
+        return config.gather_for(splits, staging_fits=fits("async", split_keys))
+
+    if config.qk is not None:
+        return gather(config.qk == "keys"), config.qk == "keys"
+    split_keys = gather(True) == gather(False) and fits(gather(True), True)
+    return gather(split_keys), split_keys
+
+
+def resolve_gather(config: TuningConfig, splits: int, dim: int, n_chunks: int) -> str:
+    """The gather of a pipelined-kernel call (`resolve_pipelined`)."""
+    return resolve_pipelined(config, splits, dim, n_chunks)[0]
 
 
 def _round_up(n: int, k: int) -> int:
@@ -1730,12 +1929,13 @@ def fp4_sparse_attention_mgpu(
     # deadlocked there: interpreted, the splits merge in XLA.
     merge = config.merges_in_kernel(splits) and not interpret
     if config.kernel == "pipelined":
-        gather = resolve_gather(config, splits, dim, n_chunks)
+        gather, split_keys = resolve_pipelined(config, splits, dim, n_chunks)
         kernel = functools.partial(
             _pipelined_kernel,
             dequant=make_dequant(geometry),
             gather=gather,
             merge=merge,
+            split_keys=split_keys,
             **statics,
         )
         warpgroups = 2
@@ -1755,6 +1955,14 @@ def fp4_sparse_attention_mgpu(
                 plgpu.Barrier(num_arrivals=splits),  # a half of each split's partial
                 plgpu.Barrier(),  # the log-sum-exps
                 plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=2),
+            ]
+        if split_keys:  # then the P tile (plain where interpreted), the row exchange
+            optional += [
+                plgpu.SMEM(
+                    (BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=() if interpret else _TILE
+                ),
+                plgpu.SMEM((2, BLOCK_HEADS), jnp.float32),
+                plgpu.Barrier(num_arrivals=2, num_barriers=2),  # the maxima, P: both warpgroups
             ]
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
