@@ -392,7 +392,7 @@ if [[ $stage == batch32 ]]; then
   done
 fi
 if [[ $stage == split_keys ]]; then
-  # The fifteenth session's second: `qk='keys'` (each warpgroup computes the logits of half
+  # The fifteenth session's first: `qk='keys'` (each warpgroup computes the logits of half
   # the keys, P shared through shared memory) compiled against the definition; the benchmark
   # at batches 32, 40, 64 and 128: the default, the split keys (staged words: they fit since
   # the scale words are packed), the split keys and the two-tile kernel with their words in
@@ -410,7 +410,7 @@ if [[ $stage == split_keys ]]; then
     2>&1 | tee "$OUT/gpu_tests_attention_merge_default.log" | tail -6 || status=1
 fi
 if [[ $stage == split_keys_runs ]]; then
-  # The fifteenth session's third (run on the warm machine right after split_keys, whose bench
+  # The fifteenth session's second (run on the warm machine right after split_keys, whose bench
   # run is run 1): two more runs of the same benchmark without `xla_merge`, then the four
   # merge tests at four splits that split_keys' last guard cut. 267 s on an H100.
   for run in 2 3; do
@@ -423,7 +423,7 @@ if [[ $stage == split_keys_runs ]]; then
     | tail -12 >"$OUT/gpu_tests_merge4.log" || status=1
 fi
 if [[ $stage == keys_default ]]; then
-  # The fifteenth session's fourth: the default with the keys split (`resolve_pipelined`) and
+  # The fifteenth session's third: the default with the keys split (`resolve_pipelined`) and
   # the words in registers from three splits, beside the full logits (`heads`, same gather),
   # then the GPU tests of the default, the split keys and the merge. 209 s on an H100.
   timeout -s INT 90 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \

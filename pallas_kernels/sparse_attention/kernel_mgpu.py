@@ -8,14 +8,19 @@ dims [w·D/2, (w+1)·D/2) of every chunk's keys and owns those dims of the outpu
 The default kernel (`TuningConfig(kernel='pipelined')`, `_pipelined_kernel`) keeps two key
 tiles. Per chunk c:
 
-1. the thread's packed words of top-k chunk c + 1 start towards it: by default copied with
-   `cp.async` into its own slots of shared memory (Hopper has no TMA gather), so that no
-   registers are held across the products (`gather='async'`);
-2. once both warpgroups have decoded chunk c (one mbarrier per tile), QK^T over the full D
-   (two wgmma 64×64×D/2; both warpgroups compute the same logits);
-3. the online softmax (log2 domain; the sink opens the running max and sum);
-4. PV into the warpgroup's half of the output (wgmma 64×D/2×64; K = V, so one tile serves both
-   products), issued and not awaited: meanwhile each thread decodes its share of chunk c + 1,
+1. the thread's packed words of top-k chunk c + 1 start towards it: at one or two splits
+   copied with `cp.async` into its own slots of shared memory (Hopper has no TMA gather), so
+   that no registers are held across the products (`gather='async'`); at more, loaded into
+   registers (`gather_for`);
+2. once both warpgroups have decoded chunk c (one mbarrier per tile), QK^T over the full D:
+   where shared memory allows (`resolve_pipelined`), warpgroup w computes the logits of keys
+   [32w, 32w + 32) (`qk='keys'`, two wgmma 64×32×D/2), else both compute all 64 keys' (two
+   wgmma 64×64×D/2, `qk='heads'`);
+3. the online softmax (log2 domain; the sink opens the running max and sum); with the keys
+   split, the two warpgroups swap their row maxima and write P into one shared tile;
+4. PV into the warpgroup's half of the output (wgmma 64×D/2×64, P from registers or, with the
+   keys split, from the shared tile; K = V, so one tile serves both products), issued and not
+   awaited: meanwhile each thread decodes its share of chunk c + 1,
    E2M1 × E4M3 (window: E4M3 × UE8M0) to bf16 in registers, and stores it into the other
    128-byte swizzled tile; a −1 slot is decoded from zeroed bytes, so it holds exact zeros.
 
@@ -279,12 +284,14 @@ class TuningConfig:
         None: as many as keep every SM busy (number of SMs // (B · head groups), at most 4),
         so a batch of 64 queries still fills the 132 SMs of an H200; 1 on CPU.
       gather: how a top-k chunk's packed rows reach the decode ('exchange'; 'pipelined' takes
-        'registers' and 'async', its default; `_pipelined_kernel`). 'registers':
-        each thread loads its words from HBM when the chunk starts and waits for them.
+        'registers' and 'async', its default at one or two splits; `_pipelined_kernel`).
+        'registers': each thread loads its words from HBM when the chunk starts and waits for
+        them.
         'async': each thread copies the next chunk's words into its own slots of shared memory
         with `cp.async` while this chunk's products run, and reads them back after waiting for
         its own copies only (no barrier: no thread reads another's words; no registers held
-        across the products, unlike `prefetch`). 20 KB of staging at D = 512. Correct on the
+        across the products, unlike `prefetch`). 18 KB of staging at D = 512 (20 KB until
+        the fifteenth session packed each thread's scale words side by side). Correct on the
         H200 (its 16 GPU tests), but no faster there: 32.8 µs against 32.7 at batch 64, 49.7
         against 49.1 at 128 (2026-12-04, NOTES.md). 'behind_pv': each thread loads the next
         top-k chunk's words into registers after this chunk's softmax, just before its PV, so
