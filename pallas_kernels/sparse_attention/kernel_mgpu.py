@@ -338,9 +338,9 @@ class TuningConfig:
         'heads' leaves room for a preferred staged gather or the P tile does not fit
         (`resolve_pipelined`; at D = 512: past 12 chunks at one split, and at two splits with
         their merge in the kernel from 10 chunks, i.e. at top-512 and a window of 128).
-        'heads': each
-        computes the logits of all 64 keys over the full D, the same logits twice (1.5 times
-        the exchange kernel's tensor work per chunk), and keeps P in registers for its PV.
+        'heads': each computes the logits of all 64 keys over the full D, the same logits
+        twice (1.5 times the exchange kernel's tensor work per chunk), and keeps P in
+        registers for its PV.
         'keys' (`_split_keys_softmax`, fifteenth session): warpgroup w computes the logits of
         keys [32w, 32w + 32) only (a wgmma 64×32 per half of D: the tensor work of QK^T
         halved), the two swap their row maxima through shared memory, each writes its half
@@ -1929,7 +1929,7 @@ def fp4_sparse_attention_mgpu(
     # Shared memory (D = 512, 10 chunks): q 64 KB, then keys 128 KB (two tiles: the
     # specialized and the pipelined kernel) or keys 64 KB and the logit exchange 64 KB (the
     # first kernel), the slots 7.5 KB (specialized: one copy per warpgroup) or 2.5 KB; the
-    # staged gather's words 20 KB (the first kernel with gather='async').
+    # staged gather's words 18 KB (gather='async'); the split keys' P tile 8 KB (qk='keys').
     optional = []  # scratch after the barriers, before P's buffer in the interpreter
     # The interpreter runs a cluster's barrier waits on XLA's CPU runtime threads (two on a
     # 2-core machine), and a cluster of 2 to 4 CTAs of 2 warpgroups waiting at one barrier
