@@ -201,22 +201,18 @@ def test_the_default_attention_kernel_stages_its_words_while_they_fit():
             lowering.lower_for_gpu(attend(gather), *attention_args(64, topk=topk))
 
 
-def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits():
-    """With its two splits merged in the kernel (the default at two; `merge='kernel'`), the
-    pipelined kernel takes about 1 KB more (the splits' log-sum-exps, three barriers), so the
-    staged words fit beside fewer chunks: the estimate (`pipelined_shared_bytes`) picks 'async'
-    only where the kernel lowers, and is at most one chunk short of Mosaic GPU's own count (its
-    alignment: a chunk's slots are 256 bytes). At more splits the words go through registers
-    (`gather_for`), so there is no boundary to check."""
-    splits = 2
-    default = kernel_mgpu.TuningConfig(splits=splits, merge="kernel")
+def check_the_staging_boundary(splits: int, **options) -> int:
+    """The pipelined kernel with `options` at `splits` splits, D = 512, a window of 128: at the
+    last chunk count its estimate (`resolve_gather`) stages the words for, it lowers; one chunk
+    more it lowers with them in registers; two more with the staging forced, Mosaic GPU refuses
+    it by name. Returns that last count."""
+    config = kernel_mgpu.TuningConfig(splits=splits, **options)
     last = max(
-        n for n in range(2, 60) if kernel_mgpu.resolve_gather(default, splits, 512, n) == "async"
+        n for n in range(2, 60) if kernel_mgpu.resolve_gather(config, splits, 512, n) == "async"
     )
-    assert 38 < last < 48  # 48 without the merge (the test above)
 
     def attend(gather=None):
-        tuning = kernel_mgpu.TuningConfig(splits=splits, gather=gather, merge="kernel")
+        tuning = kernel_mgpu.TuningConfig(splits=splits, gather=gather, **options)
         return functools.partial(
             attention_api.fp4_sparse_attention,
             implementation="pallas",
@@ -228,6 +224,18 @@ def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits():
     lowers_to(attend(), *attention_args(64, topk=topk + 64), mosaic_gpu=1)  # registers
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lowering.lower_for_gpu(attend("async"), *attention_args(64, topk=topk + 128))
+    return last
+
+
+def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits():
+    """With its two splits merged in the kernel (the default at two; `merge='kernel'`), the
+    pipelined kernel takes about 1 KB more (the splits' log-sum-exps, three barriers), so the
+    staged words fit beside fewer chunks: the estimate (`pipelined_shared_bytes`) picks 'async'
+    only where the kernel lowers, and is at most one chunk short of Mosaic GPU's own count (its
+    alignment: a chunk's slots are 256 bytes). At more splits the words go through registers
+    (`gather_for`), so there is no boundary to check."""
+    last = check_the_staging_boundary(2, merge="kernel")
+    assert 38 < last < 48  # 48 without the merge (the test above)
 
 
 @pytest.mark.parametrize(("gather", "topk"), [("registers", 4096), ("async", 2048)])
@@ -251,23 +259,9 @@ def test_the_split_keys_take_the_staged_gather_only_where_it_fits():
     (`pipelined_shared_bytes`) picks the staged gather only where the kernel lowers; at
     top-512 beside a window of 128 (10 chunks) the words are still staged (with the scale
     words packed, fifteenth session: 12 chunks), so the split keys run the default's gather."""
+    last = check_the_staging_boundary(1, qk="keys")
     split = kernel_mgpu.TuningConfig(qk="keys")
-    last = max(n for n in range(2, 60) if kernel_mgpu.resolve_gather(split, 1, 512, n) == "async")
     assert 10 <= last < 48 and kernel_mgpu.resolve_gather(split, 1, 512, last + 1) == "registers"
-
-    def attend(gather=None):
-        tuning = kernel_mgpu.TuningConfig(qk="keys", gather=gather, splits=1)
-        return functools.partial(
-            attention_api.fp4_sparse_attention,
-            implementation="pallas",
-            config=attention_api.Config(mgpu=tuning),
-        )
-
-    topk = (last - 2) * 64  # two window chunks
-    lowers_to(attend(), *attention_args(64, topk=topk), mosaic_gpu=1)
-    lowers_to(attend(), *attention_args(64, topk=topk + 64), mosaic_gpu=1)  # registers
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        lowering.lower_for_gpu(attend("async"), *attention_args(64, topk=topk + 128))
 
 
 ATTENTION_VARIANTS = {
