@@ -178,7 +178,7 @@ def test_the_attention_kernels_leave_one_out_variants_lower(ablation):
 def test_the_default_attention_kernel_stages_its_words_while_they_fit():
     """`kernel_mgpu.supports`' docstring: at D = 512 the pipelined kernel's staged words fit
     beside 48 chunks of slots (a top-k of 2,944 and a window of 128), and from 49 its default
-    loads them into registers (`resolve_gather`), up to 118 chunks (7,552). Both sides of each
+    loads them into registers (`resolve_pipelined`), up to 118 chunks (7,552). Both sides of each
     boundary are lowered: the estimate (`pipelined_shared_bytes`) is Mosaic GPU's own count."""
 
     def attend(gather=None):
@@ -190,9 +190,9 @@ def test_the_default_attention_kernel_stages_its_words_while_they_fit():
         )
 
     default = kernel_mgpu.TuningConfig()
-    assert kernel_mgpu.resolve_gather(default, 1, 512, n_chunks=2 + 2944 // 64) == "async"
-    assert kernel_mgpu.resolve_gather(default, 1, 512, n_chunks=3 + 2944 // 64) == "registers"
-    assert kernel_mgpu.resolve_gather(default, 1, 256, n_chunks=250) == "async"
+    assert kernel_mgpu.resolve_pipelined(default, 1, 512, n_chunks=2 + 2944 // 64)[0] == "async"
+    assert kernel_mgpu.resolve_pipelined(default, 1, 512, n_chunks=3 + 2944 // 64)[0] == "registers"
+    assert kernel_mgpu.resolve_pipelined(default, 1, 256, n_chunks=250)[0] == "async"
     lowers_to(attend(), *attention_args(64, topk=2944), mosaic_gpu=1)
     lowers_to(attend(), *attention_args(64, topk=3008), mosaic_gpu=1)
     lowers_to(attend(), *attention_args(64, topk=7552), mosaic_gpu=1)
@@ -203,12 +203,14 @@ def test_the_default_attention_kernel_stages_its_words_while_they_fit():
 
 def check_the_staging_boundary(splits: int, **options) -> int:
     """The pipelined kernel with `options` at `splits` splits, D = 512, a window of 128: at the
-    last chunk count its estimate (`resolve_gather`) stages the words for, it lowers; one chunk
+    last chunk count its estimate (`resolve_pipelined`) stages the words for, it lowers; one chunk
     more it lowers with them in registers; two more with the staging forced, Mosaic GPU refuses
     it by name. Returns that last count."""
     config = kernel_mgpu.TuningConfig(splits=splits, **options)
     last = max(
-        n for n in range(2, 60) if kernel_mgpu.resolve_gather(config, splits, 512, n) == "async"
+        n
+        for n in range(2, 60)
+        if kernel_mgpu.resolve_pipelined(config, splits, 512, n)[0] == "async"
     )
 
     def attend(gather=None):
@@ -261,7 +263,9 @@ def test_the_split_keys_take_the_staged_gather_only_where_it_fits():
     words packed, fifteenth session: 12 chunks), so the split keys run the default's gather."""
     last = check_the_staging_boundary(1, qk="keys")
     split = kernel_mgpu.TuningConfig(qk="keys")
-    assert 10 <= last < 48 and kernel_mgpu.resolve_gather(split, 1, 512, last + 1) == "registers"
+    assert (
+        10 <= last < 48 and kernel_mgpu.resolve_pipelined(split, 1, 512, last + 1)[0] == "registers"
+    )
 
 
 ATTENTION_VARIANTS = {

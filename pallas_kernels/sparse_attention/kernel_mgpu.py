@@ -220,7 +220,7 @@ def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
     of the window and the top-k: at D = 512 (any window), 48 chunks of 64 keys with the
     words staged by `cp.async` (a top-k of 2,944 beside a window of 128), 118 with them in
     registers (7,552). The default kernel stages them while they fit and loads them into
-    registers beyond (`resolve_gather`); a gather that is set and does not fit is refused by
+    registers beyond (`resolve_pipelined`); a gather that is set and does not fit is refused by
     Mosaic GPU while lowering, naming the bytes (`tests/test_kernel_lowering.py`)."""
     return support(
         "the FP4 sparse-attention Mosaic GPU kernel",
@@ -1819,13 +1819,10 @@ def resolve_pipelined(
 
     if config.qk is not None:
         return gather(config.qk == "keys"), config.qk == "keys"
-    split_keys = gather(True) == gather(False) and fits(gather(True), True)
-    return gather(split_keys), split_keys
-
-
-def resolve_gather(config: TuningConfig, splits: int, dim: int, n_chunks: int) -> str:
-    """The gather of a pipelined-kernel call (`resolve_pipelined`)."""
-    return resolve_pipelined(config, splits, dim, n_chunks)[0]
+    with_keys, with_heads = gather(True), gather(False)
+    if with_keys == with_heads and fits(with_keys, True):
+        return with_keys, True
+    return with_heads, False
 
 
 def _round_up(n: int, k: int) -> int:
