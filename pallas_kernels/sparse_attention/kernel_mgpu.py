@@ -933,13 +933,17 @@ def _open_softmax(sink_smem, half: int, split):
     return acc0, m0, jnp.exp2(sink - m0)
 
 
-def _softmax_step(s, slots_ref, acc, m, denom, logit_scale: float):
-    """One chunk of the online softmax (log2 domain) on the logits `s` [64 heads, 64 keys]:
-    returns (p as bf16, acc rescaled to the new max, the new max, the new sum)."""
+def _softmax_step(s, slots_ref, acc, m, denom, logit_scale: float, peer_max=None):
+    """One chunk of the online softmax (log2 domain) on the logits `s` [64 heads, keys] of the
+    keys whose slots `slots_ref` holds: returns (p as bf16, acc rescaled to the new max, the new
+    max, the new sum). `peer_max` (qk='keys'): the other warpgroup's new row maxima, given
+    this one's, so that both rescale to the same max of all the chunk's keys."""
     slots = plgpu.load(slots_ref, layout=plgpu.Layout.WGMMA.reduce(0))
     valid = lax.broadcast_in_dim(slots >= 0, s.shape, [1])
     s = jnp.where(valid, s * logit_scale, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
+    if peer_max is not None:
+        m_new = jnp.maximum(m_new, peer_max(m_new))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
     denom = denom * alpha + p.sum(axis=1)
@@ -986,18 +990,15 @@ def _split_keys_softmax(
     halves visible before PV. `denom` is this warpgroup's own share of the row sums (its keys;
     the sink in warpgroup 0's), summed across the two at the end (`_exchange_rows`)."""
     wg = lax.axis_index("wg")
-    slots = plgpu.load(
-        slots_ref.at[pl.ds(wg * HALF_KV, HALF_KV)], layout=plgpu.Layout.WGMMA.reduce(0)
+    p16, acc, m_new, denom = _softmax_step(
+        s,
+        slots_ref.at[pl.ds(wg * HALF_KV, HALF_KV)],
+        acc,
+        m,
+        denom,
+        logit_scale,
+        peer_max=lambda m_own: _exchange_rows(m_own, mx_smem, mx_barrier),
     )
-    valid = lax.broadcast_in_dim(slots >= 0, s.shape, [1])
-    s = jnp.where(valid, s * logit_scale, -jnp.inf)
-    m_own = jnp.maximum(m, s.max(axis=1))
-    m_new = jnp.maximum(m_own, _exchange_rows(m_own, mx_smem, mx_barrier))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    denom = denom * alpha + p.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    p16 = p.astype(jnp.bfloat16)
     if interpret:  # a plain buffer there: the interpreter slices it
         for w in range(2):
 
