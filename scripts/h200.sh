@@ -16,7 +16,8 @@
 #                                   # twelfth's) | slots_default | combined (the thirteenth's)
 #                                   # | h200_default | batch32 (the fourteenth's)
 #                                   # | split_keys | split_keys_runs
-#                                   # | keys_default (the fifteenth's)
+#                                   # | keys_default (the fifteenth's) | keys_merge
+#                                   # (the sixteenth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -468,6 +469,21 @@ if [[ $stage == ablations ]]; then
     timeout -s INT -k 30 $left "$PY" experiments/$study.py "${common[@]}" --out-dir "$OUT" \
       --runs-dir runs/h200/$study 2>&1 | grep --line-buffered -v "it/s" | tee "$OUT/$study.log" \
       || status=1
+  done
+fi
+if [[ $stage == keys_merge ]]; then
+  # The sixteenth session's first: the split keys' row exchange through the merge's
+  # log-sum-exp stage, so batch 64 (two splits, merged in the kernel) takes the split keys with
+  # the staged words. The GPU tests of the default, the split keys and the merge at 2, 3 and 4
+  # splits, then three runs of the default beside the full logits (`heads`, same gathers).
+  timeout -s INT 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py \
+    -k "keys_split or test_matches_reference_gpu or merge_in_the_kernel_equals" 2>&1 \
+    | tail -4 | tee "$OUT/gpu_tests_keys_merge.log" || status=1
+  for run in 1 2 3; do
+    timeout -s INT 90 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+      --batches 32 64 128 --variants heads \
+      --out "$OUT/bench_sparse_attention_keys_merge_run$run.json" >/dev/null || status=1
   done
 fi
 # experiments/long_context_studies.py: STUDY (block_score), the committed combined reports in

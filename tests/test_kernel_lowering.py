@@ -240,6 +240,16 @@ def test_the_merge_in_the_kernel_leaves_the_staging_where_it_fits():
     assert 38 < last < 48  # 48 without the merge (the test above)
 
 
+def test_the_split_keys_merging_in_the_kernel_stage_top_512():
+    """At two splits merged in the kernel (batch 64), the split keys swap their row maxima
+    through the merge's log-sum-exp stage instead of 512 bytes of their own: that is what lets
+    the staged words fit beside the P tile and the merge's buffers at top-512 with a window of
+    128 (10 chunks; 104 bytes over without it). The estimate stages only where the kernel
+    lowers, at most one chunk short of Mosaic GPU's count."""
+    last = check_the_staging_boundary(2, qk="keys")
+    assert 10 <= last < 38
+
+
 @pytest.mark.parametrize(("gather", "topk"), [("registers", 4096), ("async", 2048)])
 def test_the_exchange_kernel_fits_a_top_k_of_thousands(gather, topk):
     """The exchange kernel's shared memory holds every chunk's slots, enough for a top-k of

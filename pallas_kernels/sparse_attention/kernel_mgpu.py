@@ -1615,8 +1615,12 @@ def _pipelined_kernel(
     q_smem, k_smem, slots_smem, sink_smem, lse_smem, load_barriers, full_barriers, *optional = refs
     staging = optional.pop(0).at[lax.axis_index("wg")] if gather == "async" else None
     merge_scratch = [optional.pop(0) for _ in range(4)] if merge else None
-    if split_keys:  # the P tile, the row exchange, its barriers (maxima, P)
-        p_tile, mx_smem, key_barriers = (optional.pop(0) for _ in range(3))
+    if split_keys:  # the P tile, its barriers (maxima, P), the row exchange
+        p_tile, key_barriers = (optional.pop(0) for _ in range(2))
+        # Merging in the kernel, the rows are swapped through the merge's log-sum-exp stage:
+        # it is written (by a bulk copy) only after the cluster barrier, which both warpgroups
+        # pass after their last exchange (512 bytes: what batch 64 lacked for its staging).
+        mx_smem = merge_scratch[0].at[pl.ds(0, 2)] if merge else optional.pop(0)
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
@@ -1735,6 +1739,8 @@ def _pipelined_kernel(
     acc, m, denom = lax.fori_loop(lo, hi, step, (acc, m, denom))
     if split_keys:  # both warpgroups' shares (a + b == b + a: the same sums in both)
         denom = denom + _exchange_rows(denom, mx_smem, key_barriers.at[0])
+        if merge:  # the exchange's stores, before a bulk copy rewrites them (`lse_stage`)
+            plgpu.commit_smem()
     _write_output(
         acc,
         m,
@@ -1784,8 +1790,9 @@ def pipelined_shared_bytes(
     """Shared memory of the pipelined kernel over `n_chunks` chunks of slots: q, two key tiles,
     the slots, the sink and the log-sum-exp, the barriers, the staged words with
     gather='async', the merge's log-sum-exps and barriers where it merges `merge_splits`
-    splits, the P tile, the row exchange and its two barriers with `split_keys` (qk='keys'),
-    and `MOSAIC_SHARED_OVERHEAD`."""
+    splits, the P tile, the row exchange (none of its own when merging: it goes through the
+    merge's log-sum-exps) and its two barriers with `split_keys` (qk='keys'), and
+    `MOSAIC_SHARED_OVERHEAD`."""
     scratch = 2 * BLOCK_HEADS * geometry.half * 2  # q, bf16
     scratch += 2 * 2 * BLOCK_KV * geometry.half * 2  # two key tiles, both halves
     scratch += n_chunks * BLOCK_KV * 4 + 3 * BLOCK_HEADS * 4 + 8 * 8  # slots, sink, lse, barriers
@@ -1793,8 +1800,9 @@ def pipelined_shared_bytes(
         scratch += math.prod(geometry.staging_shape) * 4
     if merge_splits:  # the log-sum-exps (Mosaic GPU took 1 KB for them) and three barriers
         scratch += _round_up(merge_splits * BLOCK_HEADS * 4, 1024) + 3 * 8
-    if split_keys:  # the P tile; the row exchange and two barriers (Mosaic GPU took 1 KB)
-        scratch += BLOCK_HEADS * BLOCK_KV * 2 + 1024
+    if split_keys:  # the P tile, two barriers; the row exchange (with them, Mosaic GPU took
+        # 1 KB) unless it goes through the merge's log-sum-exps
+        scratch += BLOCK_HEADS * BLOCK_KV * 2 + (2 * 8 if merge_splits else 1024)
     return scratch + MOSAIC_SHARED_OVERHEAD
 
 
@@ -1966,9 +1974,10 @@ def fp4_sparse_attention_mgpu(
                 plgpu.SMEM(
                     (BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=() if interpret else _TILE
                 ),
-                plgpu.SMEM((2, BLOCK_HEADS), jnp.float32),
                 plgpu.Barrier(num_arrivals=2, num_barriers=2),  # the maxima, P: both warpgroups
             ]
+            if not merge:  # merging, the rows go through the merge's log-sum-exp stage
+                optional.append(plgpu.SMEM((2, BLOCK_HEADS), jnp.float32))
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
