@@ -336,8 +336,8 @@ class TuningConfig:
         kernel itself did not change.
       qk: ('pipelined' only) how its two warpgroups share QK^T; None: 'keys', unless only
         'heads' leaves room for a preferred staged gather or the P tile does not fit
-        (`resolve_pipelined`; at D = 512: past 12 chunks at one split, and at two splits with
-        their merge in the kernel from 10 chunks, i.e. at top-512 and a window of 128).
+        (`resolve_pipelined`; at D = 512: past 12 chunks at one split, past 11 at two splits
+        with their merge in the kernel).
         'heads': each computes the logits of all 64 keys over the full D, the same logits
         twice (1.5 times the exchange kernel's tensor work per chunk), and keeps P in
         registers for its PV.
@@ -349,7 +349,10 @@ class TuningConfig:
         of slots (top-640 and a window of 128). On an H100 (three runs, fifteenth session,
         NOTES.md), against 'heads' with the same gather: at batch 128 1.6 µs shorter staged
         and 1.6 registers; at 64 (two splits) +0.1 staged, −1.5 registers; at 32 and 40
-        (four and three splits, registers) −0.5 and −0.7.
+        (four and three splits, registers) −0.5 and −0.7. At two splits merged in the kernel
+        the row exchange goes through the merge's log-sum-exp stage, which lets batch 64 stage
+        its words beside the P tile: −0.23 µs (−0.29 … −0.18) against 'heads' staged, two runs
+        on an H100 (seventeenth session).
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
