@@ -99,11 +99,18 @@ def _timed(prepare: Callable[[], Callable[[], object]], steps: int) -> dict:
 # --------------------------------------------------------------------------- training steps
 
 
-def _step(preset: str, seq_len: int, batch: int, query_chunk: int, mesh, seed: int = 0):
-    """(compiled step runner, a batch maker, options) for the sparse-stage training step."""
+def _model(args) -> dict:
+    """The trained model: `--preset`; with `--smoke`, tiny() on the four layers of the studies'
+    smoke runs (every role a run trains; half of tiny()'s compilation)."""
+    return {"preset": args.preset, "changes": dict(_common.SMOKE_LAYERS) if args.smoke else {}}
+
+
+def _step(model: dict, seq_len: int, batch: int, query_chunk: int, mesh, seed: int = 0):
+    """(compiled step runner, a batch maker, options) for the sparse-stage training step of
+    `model` (`_model`)."""
     cfg = train.make_config(
-        preset=preset,
-        model_changes={"query_chunk": query_chunk},
+        preset=model["preset"],
+        model_changes={**model["changes"], "query_chunk": query_chunk},
         batch_size=batch,
         steps=1000,
         dense_warmup_steps=0,
@@ -142,8 +149,8 @@ def planned_bytes(runner, make_batch, options) -> int:
     )
 
 
-def _train_timing(preset, seq_len, batch, query_chunk, mesh, steps) -> dict:
-    runner, make_batch, options = _step(preset, seq_len, batch, query_chunk, mesh)
+def _train_timing(model, seq_len, batch, query_chunk, mesh, steps) -> dict:
+    runner, make_batch, options = _step(model, seq_len, batch, query_chunk, mesh)
     planned = planned_bytes(runner, make_batch, options)
     losses = []
 
@@ -194,18 +201,19 @@ def device_memory(override_gib: float | None) -> int:
 
 
 def data_parallel(args, n: int) -> dict:
-    one = _train_timing(args.preset, args.dp_seq_len, args.dp_batch, 0, None, args.steps)
+    model = _model(args)
+    one = _train_timing(model, args.dp_seq_len, args.dp_batch, 0, None, args.steps)
     mesh = train.make_mesh({"data": n})
-    many = _train_timing(args.preset, args.dp_seq_len, n * args.dp_batch, 0, mesh, args.steps)
+    many = _train_timing(model, args.dp_seq_len, n * args.dp_batch, 0, mesh, args.steps)
     return {"one": one, "sharded": many, "speedup": many["tokens_per_s"] / one["tokens_per_s"]}
 
 
 def context_parallel(args, n: int) -> dict:
     """The longest context one device plans to hold, then N times it over N devices."""
     memory = int(device_memory(args.memory_gib) * MEMORY_FRACTION)
-    ladder, fits, seq_len = [], None, args.cp_start
+    ladder, fits, seq_len, model = [], None, args.cp_start, _model(args)
     while seq_len <= args.cp_max:
-        runner, make_batch, options = _step(args.preset, seq_len, 1, args.cp_chunk, None)
+        runner, make_batch, options = _step(model, seq_len, 1, args.cp_chunk, None)
         planned = planned_bytes(runner, make_batch, options)
         ladder.append({"seq_len": seq_len, "planned_gib": planned / 2**30})
         print(f"cp: {seq_len} tokens on one device plan {planned / 2**30:.1f} GiB", flush=True)
@@ -219,9 +227,9 @@ def context_parallel(args, n: int) -> dict:
             f"no boundary found in {args.cp_start}..{args.cp_max} tokens: widen --cp-start/--cp-max"
         )
         return result
-    result["one"] = _train_timing(args.preset, fits, 1, args.cp_chunk, None, args.steps)
+    result["one"] = _train_timing(model, fits, 1, args.cp_chunk, None, args.steps)
     mesh = train.make_mesh({"context": n})
-    result["sharded"] = _train_timing(args.preset, n * fits, 1, args.cp_chunk, mesh, args.steps)
+    result["sharded"] = _train_timing(model, n * fits, 1, args.cp_chunk, mesh, args.steps)
     return result
 
 
@@ -364,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         **_common.environment(),
         "date": time.strftime("%Y-%m-%d"),
         "devices": n,
-        "config": {name: getattr(args, name) for name in base} | {"smoke": args.smoke},
+        "config": {name: getattr(args, name) for name in base}
+        | {"smoke": args.smoke, "model_changes": _model(args)["changes"]},
     }
 
     def save():

@@ -17,6 +17,7 @@ two cores) or 'long' (`HYPOTHESIS_PROFILE=long`, for a long run or the H200), re
 tests/conftest.py.
 """
 
+import json
 import os
 import random
 import signal
@@ -33,6 +34,7 @@ from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests._models import FOUR_LAYER_TRAIN
 from v41jax import cli
 from v41jax.nn import config, model
 from v41jax.ops import formats
@@ -296,11 +298,13 @@ def test_bad_cli_values_are_usage_errors_and_write_nothing(tmp_path_factory, bad
 
 # --- kill at a random moment, resume: the same metrics.jsonl, byte for byte ---
 
+# The four-layer training model of the trainer's tests (every role a run trains; half of
+# tiny()'s compilation, which the reference run pays in full in its own cache).
 KILL_RUN = [
     *("--task", "mqar", "--task-set", "seq_len=64", "--task-set", "n_pairs=4"),
-    *("--task-set", "n_queries=2", "--model-set", "candidate_topk_blocks=2"),
-    *("--model-set", "index_topk=8", "--steps", "8", "--batch-size", "2"),
+    *("--task-set", "n_queries=2", "--steps", "8", "--batch-size", "2"),
     *("--dense-warmup-steps", "3", "--checkpoint-every", "2", "--max-minutes", "0"),
+    *(f"--model-set={name}={json.dumps(value)}" for name, value in FOUR_LAYER_TRAIN.items()),
 ]
 
 

@@ -17,15 +17,17 @@ if jax.device_count() < 8:
 
 def test_scale_out_measures_the_scan_and_context_parallelism_on_two_devices(tmp_path, capsys):
     out = tmp_path / "scale_out.json"
-    # 128 tokens plan ~12 MiB on one device, 256 tokens ~19 MiB: a 16 MiB device holds 128.
+    # The smoke model (tiny() on four layers): 128 tokens plan ~7.0 MiB on one device, 256
+    # tokens ~10.7 MiB: a device of 9 MiB usable holds 128.
     # Data parallelism is the training step on a data mesh (tests/multidevice/test_data_parallel)
     # timed as context parallelism is here: left out to save the suite a minute.
     argv = ["--smoke", "--parts", "scan", "cp", "--steps", "1", "--cp-start", "128"]
-    argv += ["--cp-max", "512", "--memory-gib", str(16 / 1024 / 0.9), "--scan-context", "2048"]
+    argv += ["--cp-max", "512", "--memory-gib", str(9 / 1024 / 0.9), "--scan-context", "2048"]
     assert scale_out.main([*argv, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     cp, scan = report["cp"], report["scan"]
     assert "dp" not in report
+    assert report["config"]["model_changes"]["n_layers"] == 4
     # The ladder stops at the first context that does not fit; N devices train twice the last
     # that did, each planning less than the one device would for it.
     assert [r["seq_len"] for r in cp["one_device_ladder"]] == [128, 256]
