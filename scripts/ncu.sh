@@ -8,9 +8,14 @@
 # UI), <name>_details.txt (every section: throughput, memory, warp states and their stall reasons,
 # occupancy) and <name>_sass.csv.gz (the SASS, each instruction with its warp-state samples). The
 # second launch of the kernel is profiled (the first compiles it); clocks are left alone
-# (`--clock-control none`). $OUT gets four files, since the device tool brings back only a few:
-# ncu_summary.json and .md (`python -m pallas_kernels.ncu_report`), ncu_text.tgz (the details,
-# SASS and run logs) and ncu_reports.tgz (the .ncu-rep files).
+# (`--clock-control none`). Nsight Compute flushes the caches before each of its passes
+# (`--cache-control all`); a profile whose name ends in `_warm` leaves them (`none`): its
+# instruction fetches find the code the launches before left, as a benchmark's back-to-back
+# calls do (batch 64's `no_inst` share, attention NOTES, eighteenth session), and its loads
+# find the same inputs in L2, which a benchmark's fresh inputs do not. $OUT gets four files,
+# since the device tool brings back only a few: ncu_summary.json and .md (`python -m
+# pallas_kernels.ncu_report`), ncu_text.tgz (the details, SASS and run logs) and
+# ncu_reports.tgz (the .ncu-rep files).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:?set OUT to the folder the results go to}
@@ -24,6 +29,8 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -
 declare -A PROFILES=(
   [attention_b128]="attention --batch 128"
   [attention_b64]="attention --batch 64"
+  [attention_b128_warm]="attention --batch 128"
+  [attention_b64_warm]="attention --batch 64"
   [attention_b128_no_topk_rows]="attention --batch 128 --variant no_topk_rows"
   [attention_b128_registers]="attention --batch 128 --variant registers"
   [attention_b128_async_gather]="attention --batch 128 --variant async_gather"
@@ -34,7 +41,8 @@ declare -A PROFILES=(
   [scan]="scan"
 )
 names=("$@")
-[[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_no_topk_rows attention_b128_registers
+[[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_warm attention_b64_warm
+  attention_b128_no_topk_rows attention_b128_registers
   attention_b128_async_gather attention_b128_pipelined attention_b128_pipelined_async
   attention_b64_pipelined pooled scan)
 status=0
@@ -43,8 +51,10 @@ for name in "${names[@]}"; do
   [[ -n $args ]] || { echo "unknown profile $name: one of ${!PROFILES[*]}" >&2; status=1; continue; }
   echo "== $name: python -m pallas_kernels.profile $args"
   start=$SECONDS
+  cache=all
+  [[ $name == *_warm ]] && cache=none
   # shellcheck disable=SC2086
-  "$NCU" --clock-control none --target-processes all --kernel-name regex:mosaic \
+  "$NCU" --clock-control none --cache-control $cache --target-processes all --kernel-name regex:mosaic \
     --launch-skip 1 --launch-count 1 --set full --import-source no -f -o "$WORK/$name" \
     "$PY" -m pallas_kernels.profile $args >"$WORK/${name}_run.log" 2>&1 || status=1
   tail -3 "$WORK/${name}_run.log"
