@@ -104,7 +104,7 @@ def test_prefill_matches_decode_exactly_without_rounding(batch, seq, prefixes):
     )
     cfg = m.config
     tokens = _tokens(cfg, batch, seq, seq)
-    _, trace = m.run(tokens, diagnostics=True)
+    _, trace = nnx.jit(lambda m, t: m.run(t, diagnostics=True))(m, tokens)  # not op by op
     lengths = np.asarray(prefixes)
     cols = lengths[:, None] + np.arange(seq - lengths.max())[None]
     rows = np.arange(batch)[:, None]
@@ -337,7 +337,8 @@ def test_with_fields_reads_the_same_parameters_under_another_config(tiny_model):
     assert all(jax.tree.leaves(same))  # the state is shared, not copied
     tokens = _tokens(tiny_model.config, 2, 128, seed=3)
     source = tiny_model.config.candidate_source_layer
-    pools = [m.run(tokens)[1][source].shared.pool.block_ids for m in (one, tiny_model)]
+    pool_of = nnx.jit(lambda m, t: m.run(t)[1][source].shared.pool.block_ids)  # not op by op
+    pools = [pool_of(m, tokens) for m in (one, tiny_model)]
     assert pools[0].shape[-1] == 1 and pools[1].shape[-1] == 4
     with pytest.raises(ValueError, match=r"\['dim'\] change the model's parameters"):
         model.with_fields(tiny_model, dim=32)

@@ -331,7 +331,8 @@ def test_evidence_metrics_count_the_answer_position_in_the_pool_and_the_selectio
     count over the model's own trace, query by query, at scored queries beyond the pool."""
     model, task, c, got = evidence_case
     b = task.batch_at(7, 0, 1)
-    _, trace = model.run(jnp.asarray(b.tokens), dense=False, diagnostics=True)
+    run = nnx.jit(lambda m, t: m.run(t, dense=False, diagnostics=True))  # not op by op
+    _, trace = run(model, jnp.asarray(b.tokens))
     pool = np.asarray(trace[c.candidate_source_layer].shared.pool.mask)
     layers = [(p.layer, s) for p, s in zip(c.layers, trace, strict=True) if p.uses_candidates]
     counts = {"evidence_in_pool": 0}
