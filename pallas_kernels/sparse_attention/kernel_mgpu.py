@@ -1087,6 +1087,11 @@ def _acquire_partials(ctx):
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
+MERGE_COLUMNS = 64
+"""Columns of the output `_merge_splits` merges a pass of its loop: one 128-byte swizzle tile
+of bf16."""
+
+
 def _merge_splits(
     o_ref,
     lse_ref,
@@ -1109,9 +1114,10 @@ def _merge_splits(
     h of the output's D is merged by warpgroup h of split h (the others are done): that half
     of every split's partial is copied back (L2 holds them; a bulk copy fills whole swizzled
     [64, D/2] buffers only), weighted by exp2(lse − max lse) / Σ, summed in float32 and
-    written to `final_ref` as bf16. An empty row (every lse −inf) gives zeros, a NaN lse NaN:
-    as `_combine_splits`. `views`: `splits` [64, D/2] buffers of shared memory that no one
-    reads once the cluster has met (the key tiles, q). GPU only (`fp4_sparse_attention_mgpu`
+    written to `final_ref` as bf16, `MERGE_COLUMNS` columns a pass of a loop. An empty row
+    (every lse −inf) gives zeros, a NaN lse NaN: as `_combine_splits`. `views`: `splits`
+    [64, D/2] buffers of shared memory that no one reads once the cluster has met (the key
+    tiles, q). GPU only (`fp4_sparse_attention_mgpu`
     merges in XLA when interpreted)."""
     wg = lax.axis_index("wg")
     _publish_partials()
@@ -1134,14 +1140,24 @@ def _merge_splits(
         weights = [jnp.exp2(lse - top) for lse in lses]
         total = functools.reduce(jnp.add, weights)
         total = jnp.where(total > 0, total, 1.0)
+        scales = [weight / total for weight in weights]
         plgpu.barrier_wait(half_barrier)
-        out = None
-        for p in range(splits):
-            part = plgpu.load(views[p], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            part = part * lax.broadcast_in_dim(weights[p] / total, part.shape, [0])
-            out = part if out is None else out + part
-        # Each thread stores the elements it loaded: views[0] is read back only by itself.
-        views[0][...] = out.astype(jnp.bfloat16)
+
+        def merge_columns(t, carry):
+            # One swizzle tile of columns a pass: a loop, not every value a thread holds
+            # unrolled (straight-line code that each warp runs once and fetches cold).
+            columns = pl.ds(pl.multiple_of(t * MERGE_COLUMNS, MERGE_COLUMNS), MERGE_COLUMNS)
+            out = None
+            for p in range(splits):
+                part = plgpu.load(views[p].at[:, columns], layout=plgpu.Layout.WGMMA)
+                part = part.astype(jnp.float32)
+                part = part * lax.broadcast_in_dim(scales[p], part.shape, [0])
+                out = part if out is None else out + part
+            # Each thread stores the elements it loaded: views[0] is read back only by itself.
+            views[0].at[:, columns][...] = out.astype(jnp.bfloat16)
+            return carry
+
+        lax.fori_loop(0, half // MERGE_COLUMNS, merge_columns, None)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(views[0], final_ref.at[b, heads, columns])
         plgpu.wait_smem_to_gmem(0)
