@@ -152,6 +152,81 @@ def sparse_attention(att: dict, *, longest: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _mosaic_us(r: dict) -> float | None:
+    """An attention bench row's Mosaic kernel time (`longest_kernel_us`), None where the row
+    has none; raises ValueError where the last call's longest kernel is not a Mosaic one."""
+    if "longest_kernel_us" not in r:
+        return None
+    name, _ = max(r["kernels_us"], key=lambda kernel: kernel[1])
+    if "mosaic" not in name:
+        raise ValueError(
+            f"reports: batch {r['batch']} {r['implementation']}: expected the Mosaic GPU "
+            f"kernel to be the call's longest, got {name!r}"
+        )
+    return r["longest_kernel_us"]
+
+
+def _paired(deltas: list[float]) -> str:
+    return f"{statistics.median(deltas):+.2f} ({min(deltas):+.2f} … {max(deltas):+.2f})"
+
+
+def attention_versions(
+    before: list[dict], after: list[dict], before_paths: list[Path], after_paths: list[Path]
+) -> str:
+    """Two versions of the code, each run several times, alternating on one machine (run i of
+    `after` right after run i of `before`): per batch and label that both timed, the Mosaic
+    kernel's median over the runs of each version, and the difference after − before paired
+    run by run (median and range), of the kernel and of the whole call.
+
+    Raises:
+      ValueError: as many runs of each version are needed, and rows whose longest kernel is
+        the Mosaic one (`_mosaic_us`)."""
+    if len(before) != len(after) or not before:
+        raise ValueError(
+            f"--against: expected as many runs before as after (at least one), got "
+            f"{len(before)} and {len(after)}"
+        )
+    devices = sorted({r["device"] for r in before + after})
+    names = ", ".join(
+        f"({i + 1}) `{b.name}` then `{a.name}`"
+        for i, (b, a) in enumerate(zip(before_paths, after_paths, strict=True))
+    )
+    lines = [
+        f"Pairs: {names}.",
+        f"Device: {', '.join(devices)}.",
+        "",
+        "| batch | implementation | before | after | paired Δ, kernel | paired Δ, whole call |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def rows(report: dict) -> dict:
+        return {
+            (r["batch"], r["implementation"]): r
+            for r in report["results"]
+            if r["implementation"].startswith("pallas_mgpu") and "time_us" in r
+        }
+
+    pairs = [(rows(b), rows(a)) for b, a in zip(before, after, strict=True)]
+    keys = sorted(set.intersection(*(set(b) & set(a) for b, a in pairs)))
+    for key in keys:
+        was = [_mosaic_us(b[key]) for b, _ in pairs]
+        now = [_mosaic_us(a[key]) for _, a in pairs]
+        if None in was or None in now:
+            continue
+        deltas = [n - w for w, n in zip(was, now, strict=True)]
+        calls = [a[key]["time_us"] - b[key]["time_us"] for b, a in pairs]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {statistics.median(was):.2f} | "
+            f"{statistics.median(now):.2f} | {_paired(deltas)} | {_paired(calls)} |"
+        )
+    lines += [
+        "",
+        "Times in µs: the Mosaic kernel, median over each version's runs; Δ: after − before, "
+        "median (range) over the pairs.",
+    ]
+    return "\n".join(lines)
+
+
 def attention_runs(reports: list[dict], paths: list[Path]) -> str:
     """Several `sparse_attention.bench` runs side by side, for the Mosaic GPU rows: per batch
     and label, the Mosaic kernel alone in each run (`longest_kernel_us`: the median over the
@@ -175,17 +250,6 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
         "|---|---|" + "---|" * (len(reports) + 3),
     ]
 
-    def kernel_us(r: dict) -> float | None:
-        if "longest_kernel_us" not in r:
-            return None
-        name, _ = max(r["kernels_us"], key=lambda kernel: kernel[1])
-        if "mosaic" not in name:
-            raise ValueError(
-                f"reports: batch {r['batch']} {r['implementation']}: expected the Mosaic GPU "
-                f"kernel to be the call's longest, got {name!r}"
-            )
-        return r["longest_kernel_us"]
-
     keys = []
     for report in reports:
         for r in report["results"]:
@@ -196,26 +260,23 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
         for report in reports
     ]
 
-    def paired(deltas: list[float]) -> str:
-        return f"{statistics.median(deltas):+.2f} ({min(deltas):+.2f} … {max(deltas):+.2f})"
-
     for key in dict.fromkeys(sorted(keys)):
         cells, kernels, deltas, call_deltas = [], [], [], []
         for run in by_run:
             r = run.get(key)
-            if r is None or kernel_us(r) is None:
+            if r is None or _mosaic_us(r) is None:
                 cells.append("")
                 continue
-            cells.append(f"{kernel_us(r):.2f} ({r['time_us']:.2f})")
-            kernels.append(kernel_us(r))
+            cells.append(f"{_mosaic_us(r):.2f} ({r['time_us']:.2f})")
+            kernels.append(_mosaic_us(r))
             base = run.get((key[0], "pallas_mgpu"))
-            if base is not None and kernel_us(base) is not None:
-                deltas.append(kernel_us(r) - kernel_us(base))
+            if base is not None and _mosaic_us(base) is not None:
+                deltas.append(_mosaic_us(r) - _mosaic_us(base))
                 call_deltas.append(r["time_us"] - base["time_us"])
         median = f"{statistics.median(kernels):.2f}" if kernels else ""
         delta = call_delta = ""
         if deltas and key[1] != "pallas_mgpu":
-            delta, call_delta = paired(deltas), paired(call_deltas)
+            delta, call_delta = _paired(deltas), _paired(call_deltas)
         row = f"| {key[0]} | {key[1]} | " + " | ".join(cells)
         lines.append(row + f" | {median} | {delta} | {call_delta} |")
     lines += [
@@ -729,6 +790,13 @@ def main(argv: list[str] | None = None) -> None:
         help="the paths are sparse_attention.bench runs to set side by side (Mosaic GPU rows)",
     )
     parser.add_argument(
+        "--against",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="with --attention-runs: the runs of the code before, paired in order with the paths",
+    )
+    parser.add_argument(
         "--targets",
         action="store_true",
         help="issue 16's targets from source-scan, pooled, attention and decode runs",
@@ -740,6 +808,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.tune:
         for path, report in zip(args.paths, reports, strict=True):
             print(source_scan_tune(report, path) + "\n")
+    elif args.attention_runs and args.against:
+        before = [json.loads(p.read_text()) for p in args.against]
+        print(attention_versions(before, reports, args.against, args.paths))
     elif args.attention_runs:
         print(attention_runs(reports, args.paths))
     elif args.attention:

@@ -1097,3 +1097,35 @@ def test_attention_runs_pair_each_variant_with_its_own_runs_default():
     reports[1]["results"][0]["kernels_us"][0][1] = 50.0  # an XLA op outlasts the kernel
     with pytest.raises(ValueError, match=r"batch 8 pallas_mgpu: .*got 'input_fusion'"):
         bench_tables.attention_runs(reports, [Path(f"r{i}.json") for i in range(3)])
+
+
+def test_attention_versions_pair_each_run_after_with_the_run_before():
+    """`bench_tables --attention-runs AFTER... --against BEFORE...`: per batch and label both
+    versions timed, each version's median and the differences after − before paired run by
+    run, of the kernel and of the whole call; unequal run counts are refused by name."""
+    from experiments import bench_tables
+
+    def run(us: float, call_extra: float) -> dict:
+        row = {
+            "batch": 64,
+            "implementation": "pallas_mgpu",
+            "time_us": us + call_extra,
+            "longest_kernel_us": us,
+            "kernels_us": [["input_fusion", 1.0], ["mosaic_gpu_kernel", us]],
+        }
+        only_before = row | {"batch": 32}
+        return {"device": "GPU X", "results": [row, only_before]}
+
+    before = [run(30.0, 1.0), run(31.0, 1.0), run(29.0, 1.0)]
+    after = [run(29.5, 1.0), run(29.0, 2.0), run(29.2, 0.5)]
+    paths = [Path(f"b{i}.json") for i in range(3)], [Path(f"a{i}.json") for i in range(3)]
+    table = bench_tables.attention_versions(before, after, *paths)
+    assert "Pairs: (1) `b0.json` then `a0.json`, (2) `b1.json` then `a1.json`" in table, table
+    # Kernel deltas -0.5, -2.0, +0.2; whole-call deltas -0.5, -1.0, -0.3.
+    assert "| 64 | pallas_mgpu | 30.00 | 29.20 | -0.50 (-2.00 … +0.20) | -0.50 (-1.00 … -0.30) |" \
+        in table, table  # fmt: skip
+    del after[1]["results"][1]  # batch 32 only in some runs of one version: no row
+    table = bench_tables.attention_versions(before, after, *paths)
+    assert "| 32 |" not in table, table
+    with pytest.raises(ValueError, match="expected as many runs before as after"):
+        bench_tables.attention_versions(before, after[:2], paths[0], paths[1][:2])

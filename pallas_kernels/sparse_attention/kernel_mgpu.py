@@ -1141,6 +1141,7 @@ def _merge_splits(
         total = functools.reduce(jnp.add, weights)
         total = jnp.where(total > 0, total, 1.0)
         scales = [weight / total for weight in weights]
+        assert half % MERGE_COLUMNS == 0, (half, MERGE_COLUMNS)  # D in HEAD_DIMS
         plgpu.barrier_wait(half_barrier)
 
         def merge_columns(t, carry):
