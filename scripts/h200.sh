@@ -17,7 +17,7 @@
 #                                   # | h200_default | batch32 (the fourteenth's)
 #                                   # | split_keys | split_keys_runs
 #                                   # | keys_default (the fifteenth's) | keys_merge
-#                                   # (the sixteenth's)
+#                                   # (the sixteenth's) | merge_loop (the nineteenth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -486,6 +486,24 @@ if [[ $stage == keys_merge ]]; then
     timeout -s INT 90 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
       --batches 32 64 128 --variants heads \
       --out "$OUT/bench_sparse_attention_keys_merge_run$run.json" >/dev/null || status=1
+  done
+fi
+if [[ $stage == merge_loop ]]; then
+  # The nineteenth session's (built and lowered there; no GPU came): the merge in the kernel
+  # looping over 64 columns a pass (`TuningConfig.merge_columns`, bench label `merge_loop`).
+  # Its GPU tests (bit for bit against the unrolled merge, 16) and the default's at two splits
+  # merged in the kernel (8), then four runs of the default beside `heads` and `merge_loop`
+  # at batch 64 (two splits: the changed program) and 128 (one split: a control, the same
+  # program in all three rows but `heads`). Guards 250 + 4 x 75 s. On the one-GPU H100 kind,
+  # `scripts/ncu.sh attention_b64_warm attention_b64_merge_loop_warm` next (a call of its own).
+  timeout -s INT 250 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py \
+    -k "merge_loop_is_the_unrolled_merge or merge_in_the_kernel_equals and 2-" 2>&1 \
+    | tail -4 | tee "$OUT/gpu_tests_merge_loop.log" || status=1
+  for run in 1 2 3 4; do
+    timeout -s INT 75 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+      --batches 64 128 --variants heads merge_loop \
+      --out "$OUT/bench_sparse_attention_merge_loop_run$run.json" >/dev/null || status=1
   done
 fi
 # experiments/long_context_studies.py: STUDY (block_score), the committed combined reports in

@@ -250,6 +250,35 @@ def test_the_split_keys_merging_in_the_kernel_stage_top_512():
     assert 10 <= last < 38
 
 
+def test_the_merge_loop_lowers_shorter_and_refuses_columns_that_do_not_tile_d():
+    """`merge_columns` (the merge in the kernel, a loop over that many output columns a pass)
+    lowers at both head dims, and its Mosaic GPU program is shorter than the unrolled merge's
+    (the point of the loop: straight-line code each warp runs once); a width that is not a
+    multiple of the 64-column swizzle tile, or does not divide D/2, is refused by name."""
+
+    def lowered(dim, columns):
+        tuning = kernel_mgpu.TuningConfig(splits=2, merge_columns=columns)
+        attend = functools.partial(
+            attention_api.fp4_sparse_attention,
+            implementation="pallas",
+            config=attention_api.Config(mgpu=tuning),
+        )
+        return lowering.lower_for_gpu(attend, *attention_args(64, dim=dim)).as_text()
+
+    sizes = {dim: [len(lowered(dim, c)) for c in (None, 128, 64)] for dim in (256, 512)}
+    # The serialized module's text (jax 0.11.2): 258, 258, 240 KB at D = 256 (half = 128 is
+    # one pass of 128 columns: the unrolled program); 354, 318, 299 KB at 512.
+    assert sizes[256][2] < 0.95 * min(sizes[256][:2]), sizes
+    assert sizes[512][2] < sizes[512][1] < 0.9 * sizes[512][0], sizes
+    for columns in (0, 32, 96):
+        with pytest.raises(ValueError, match="merge_columns: expected None or a positive multiple"):
+            kernel_mgpu.TuningConfig(merge_columns=columns)
+    with pytest.raises(
+        ValueError, match=r"merge_columns: expected a divisor of D/2 = 128, got 192"
+    ):
+        lowered(256, 192)
+
+
 @pytest.mark.parametrize(("gather", "topk"), [("registers", 4096), ("async", 2048)])
 def test_the_exchange_kernel_fits_a_top_k_of_thousands(gather, topk):
     """The exchange kernel's shared memory holds every chunk's slots, enough for a top-k of

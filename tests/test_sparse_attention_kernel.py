@@ -426,6 +426,25 @@ def test_the_merge_in_the_kernel_equals_the_merge_in_xla_gpu(case, splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
+@pytest.mark.parametrize(("splits", "columns"), [(2, 64), (3, 128)])
+def test_the_merge_loop_is_the_unrolled_merge_bit_for_bit_gpu(case, splits, columns):
+    """`merge_columns`: the merge in the kernel looping over `columns` of the output a pass
+    does per element what the unrolled merge does (the same loads, weights, products and sum
+    in the same order), so the two give the same bits; and against the definition."""
+    tuning = kernel_mgpu.TuningConfig(splits=splits, merge="kernel", merge_columns=columns)
+    check_variant_compiled(tuning, case, 27)
+    args = make_case(28, **{**GPU_CASES, **CPU_CASES}[case])
+    merged = {}
+    for pass_columns in (None, columns):
+        tuning = kernel_mgpu.TuningConfig(splits=splits, merge="kernel", merge_columns=pass_columns)
+        attend = jax.jit(attention_fn("mgpu", config=api.Config(mgpu=tuning)))
+        merged[pass_columns] = np.asarray(attend(*args), np.float32)
+    np.testing.assert_array_equal(merged[columns], merged[None])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
+@pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (None, 3))
 def test_the_slots_built_in_the_kernel_are_xlas_gpu(case, splits):
     """`slots='kernel'` (`_slot_builder`; the pipelined kernel's default): the kernel builds

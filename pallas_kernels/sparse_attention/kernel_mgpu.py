@@ -242,6 +242,10 @@ GATHERS = ("registers", "async", "behind_pv")
 MERGES = ("kernel", "xla")
 """`TuningConfig.merge`: where the partial outputs of split-KV are merged."""
 
+MERGE_TILE = 64
+"""`TuningConfig.merge_columns` comes in multiples of this: one 128-byte swizzle tile of bf16,
+the unit a slice of the merge's swizzled [64, D/2] buffers keeps its layout in."""
+
 SLOT_SOURCES = ("kernel", "xla")
 """`TuningConfig.slots`: where the key slots (row or −1 per key of each chunk) are made."""
 
@@ -361,6 +365,15 @@ class TuningConfig:
         dequant='ptx': the interpreter's decode has neither step to leave out). Timed against
         the full kernel (`bench.py --variants ...`), they say what the top-k rows' gather and
         decode cost, together and apart (NOTES.md).
+      merge_columns: with the merge in the kernel, the output columns `_merge_splits` merges
+        in a pass of a loop: a multiple of `MERGE_TILE` (64, one 128-byte swizzle tile of
+        bf16) that divides D/2. None: all D/2 at once, as straight-line code that each warp
+        runs once (about 1,700 of the batch-64 program's 5,704 SASS instructions with the
+        output's stores, where 803 of its 862 `no_inst` samples fell: Nsight Compute, H100,
+        eighteenth session; the profiler flushes the caches, so how much of that a benchmark
+        pays is not measured). 64: a loop of four passes at D = 512 (the lowered module 354
+        → 299 KB of text); built and lowered in the nineteenth session, not yet run on a GPU,
+        hence not the default (`bench.py --variants merge_loop`).
     """
 
     dequant: str = "ptx"
@@ -373,6 +386,7 @@ class TuningConfig:
     slots: str | None = None
     qk: str | None = None
     ablation: str | None = None
+    merge_columns: int | None = None
 
     def __post_init__(self):
         if self.qk not in (None, *QK_SPLITS):
@@ -420,6 +434,13 @@ class TuningConfig:
             raise ValueError(f"dequant: expected 'ptx' or 'jnp', got {self.dequant!r}")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits: expected None or >= 1, got {self.splits}")
+        if self.merge_columns is not None and (
+            self.merge_columns < MERGE_TILE or self.merge_columns % MERGE_TILE
+        ):
+            raise ValueError(
+                f"merge_columns: expected None or a positive multiple of {MERGE_TILE}, got "
+                f"{self.merge_columns!r}"
+            )
 
     def merges_in_kernel(self, splits: int) -> bool:
         """Whether a call with `splits` CTAs per (query, head group) merges their partial
@@ -1087,11 +1108,6 @@ def _acquire_partials(ctx):
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
-MERGE_COLUMNS = 64
-"""Columns of the output `_merge_splits` merges a pass of its loop: one 128-byte swizzle tile
-of bf16."""
-
-
 def _merge_splits(
     o_ref,
     lse_ref,
@@ -1107,6 +1123,7 @@ def _merge_splits(
     heads,
     splits: int,
     half: int,
+    pass_columns: int | None,
 ):
     """The split-KV merge inside the kernel (`TuningConfig.merge='kernel'`), after every CTA of
     the cluster (the `splits` of one query and head group) wrote its partial output and
@@ -1114,7 +1131,8 @@ def _merge_splits(
     h of the output's D is merged by warpgroup h of split h (the others are done): that half
     of every split's partial is copied back (L2 holds them; a bulk copy fills whole swizzled
     [64, D/2] buffers only), weighted by exp2(lse − max lse) / Σ, summed in float32 and
-    written to `final_ref` as bf16, `MERGE_COLUMNS` columns a pass of a loop. An empty row
+    written to `final_ref` as bf16 (`pass_columns` of them a pass of a loop; None: all at
+    once, unrolled: `TuningConfig.merge_columns`). An empty row
     (every lse −inf) gives zeros, a NaN lse NaN: as `_combine_splits`. `views`: `splits`
     [64, D/2] buffers of shared memory that no one reads once the cluster has met (the key
     tiles, q). GPU only (`fp4_sparse_attention_mgpu`
@@ -1140,25 +1158,33 @@ def _merge_splits(
         weights = [jnp.exp2(lse - top) for lse in lses]
         total = functools.reduce(jnp.add, weights)
         total = jnp.where(total > 0, total, 1.0)
-        scales = [weight / total for weight in weights]
-        assert half % MERGE_COLUMNS == 0, (half, MERGE_COLUMNS)  # D in HEAD_DIMS
         plgpu.barrier_wait(half_barrier)
 
-        def merge_columns(t, carry):
-            # One swizzle tile of columns a pass: a loop, not every value a thread holds
-            # unrolled (straight-line code that each warp runs once and fetches cold).
-            columns = pl.ds(pl.multiple_of(t * MERGE_COLUMNS, MERGE_COLUMNS), MERGE_COLUMNS)
+        def merge_pass(at, scales=None):  # at: a slice of the columns, None for all
             out = None
             for p in range(splits):
-                part = plgpu.load(views[p].at[:, columns], layout=plgpu.Layout.WGMMA)
+                part = plgpu.load(
+                    views[p] if at is None else views[p].at[:, at], layout=plgpu.Layout.WGMMA
+                )
                 part = part.astype(jnp.float32)
-                part = part * lax.broadcast_in_dim(scales[p], part.shape, [0])
+                scale = weights[p] / total if scales is None else scales[p]
+                part = part * lax.broadcast_in_dim(scale, part.shape, [0])
                 out = part if out is None else out + part
             # Each thread stores the elements it loaded: views[0] is read back only by itself.
-            views[0].at[:, columns][...] = out.astype(jnp.bfloat16)
-            return carry
+            (views[0] if at is None else views[0].at[:, at])[...] = out.astype(jnp.bfloat16)
 
-        lax.fori_loop(0, half // MERGE_COLUMNS, merge_columns, None)
+        if pass_columns is None or pass_columns == half:
+            merge_pass(None)
+        else:
+            n = pass_columns  # `fp4_sparse_attention_mgpu` checked that it divides half
+            assert half % n == 0, (half, n)
+            scales = [weight / total for weight in weights]  # once, before the loop
+
+            def loop_pass(t, carry):
+                merge_pass(pl.ds(pl.multiple_of(t * n, n), n), scales)
+                return carry
+
+            lax.fori_loop(0, half // n, loop_pass, None)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(views[0], final_ref.at[b, heads, columns])
         plgpu.wait_smem_to_gmem(0)
@@ -1594,6 +1620,7 @@ def _pipelined_kernel(
     merge: bool,
     interpret: bool,
     split_keys: bool = False,
+    merge_columns: int | None = None,
 ):
     """Two key tiles, no logit exchange (`TuningConfig(kernel='pipelined')`): k_smem holds
     [2 tiles, 2 halves of D, 64 keys, D/2]; chunk c lives in tile c % 2. Warpgroup w decodes
@@ -1787,6 +1814,7 @@ def _pipelined_kernel(
             heads=heads,
             splits=splits,
             half=half,
+            pass_columns=merge_columns,
         )
 
 
@@ -1931,6 +1959,11 @@ def fp4_sparse_attention_mgpu(
     if n_window == 0:
         window_packed = jnp.zeros((batch, 1, geometry.window_row_bytes), jnp.uint8)
 
+    if config.merge_columns is not None and geometry.half % config.merge_columns:
+        raise ValueError(
+            f"config.merge_columns: expected a divisor of D/2 = {geometry.half}, got "
+            f"{config.merge_columns}"
+        )
     if config.ablation in ("no_topk_gather", "no_topk_decode") and dequant_kind != "ptx":
         raise ValueError(
             f"config.ablation: {config.ablation!r} leaves a step out of the PTX decode; it "
@@ -1969,6 +2002,7 @@ def fp4_sparse_attention_mgpu(
             gather=gather,
             merge=merge,
             split_keys=split_keys,
+            merge_columns=config.merge_columns,
             **statics,
         )
         warpgroups = 2
