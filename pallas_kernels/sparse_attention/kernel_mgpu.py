@@ -371,9 +371,9 @@ class TuningConfig:
         runs once (about 1,700 of the batch-64 program's 5,704 SASS instructions with the
         output's stores, where 803 of its 862 `no_inst` samples fell: Nsight Compute, H100,
         eighteenth session; the profiler flushes the caches, so how much of that a benchmark
-        pays is not measured). 64: a loop of four passes at D = 512 (the lowered module 354
-        → 299 KB of text); built and lowered in the nineteenth session, not yet run on a GPU,
-        hence not the default (`bench.py --variants merge_loop`).
+        pays is not measured). 64: a loop of four passes at D = 512, a shorter program
+        (`tests/test_kernel_lowering.py`); built and lowered in the nineteenth session, not
+        yet run on a GPU, hence not the default (`bench.py --variants merge_loop`).
     """
 
     dequant: str = "ptx"
