@@ -471,6 +471,20 @@ if [[ $stage == ablations ]]; then
       || status=1
   done
 fi
+# An attention change's GPU check: NAME, the tests' guard (s), their -k selection, RUNS of
+# the attention benchmark with its guard (s) each, then the benchmark's own arguments. Writes
+# gpu_tests_NAME.log (the tests' last lines) and bench_sparse_attention_NAME_run<i>.json.
+attention_check() {
+  local name=$1 guard=$2 select=$3 runs=$4 run_guard=$5
+  shift 5
+  timeout -s INT "$guard" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_sparse_attention_kernel.py -k "$select" 2>&1 \
+    | tail -4 | tee "$OUT/gpu_tests_$name.log" || status=1
+  for run in $(seq "$runs"); do
+    timeout -s INT "$run_guard" "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+      "$@" --out "$OUT/bench_sparse_attention_${name}_run$run.json" >/dev/null || status=1
+  done
+}
 if [[ $stage == keys_merge ]]; then
   # The sixteenth session's first: the split keys' row exchange through the merge's
   # log-sum-exp stage, so batch 64 (two splits, merged in the kernel) takes the split keys with
@@ -478,15 +492,9 @@ if [[ $stage == keys_merge ]]; then
   # splits, then two runs of the default beside the full logits (`heads`, same gathers).
   # On an H100 (seventeenth session) the 54 tests took about 290 s (49 in 246 s, then the
   # guard of 250 cut the 50th): guards 360 + 2 x 90 s.
-  timeout -s INT 360 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_sparse_attention_kernel.py \
-    -k "keys_split or test_matches_reference_gpu or merge_in_the_kernel_equals" 2>&1 \
-    | tail -4 | tee "$OUT/gpu_tests_keys_merge.log" || status=1
-  for run in 1 2; do
-    timeout -s INT 90 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
-      --batches 32 64 128 --variants heads \
-      --out "$OUT/bench_sparse_attention_keys_merge_run$run.json" >/dev/null || status=1
-  done
+  attention_check keys_merge 360 \
+    "keys_split or test_matches_reference_gpu or merge_in_the_kernel_equals" 2 90 \
+    --batches 32 64 128 --variants heads
 fi
 if [[ $stage == merge_loop ]]; then
   # The nineteenth session's (built and lowered there; no GPU came): the merge in the kernel
@@ -496,15 +504,9 @@ if [[ $stage == merge_loop ]]; then
   # at batch 64 (two splits: the changed program) and 128 (one split: a control, the same
   # program in all three rows but `heads`). Guards 250 + 4 x 75 s. On the one-GPU H100 kind,
   # `scripts/ncu.sh attention_b64_warm attention_b64_merge_loop_warm` next (a call of its own).
-  timeout -s INT 250 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_sparse_attention_kernel.py \
-    -k "merge_loop_is_the_unrolled_merge or merge_in_the_kernel_equals and 2-" 2>&1 \
-    | tail -4 | tee "$OUT/gpu_tests_merge_loop.log" || status=1
-  for run in 1 2 3 4; do
-    timeout -s INT 75 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
-      --batches 64 128 --variants heads merge_loop \
-      --out "$OUT/bench_sparse_attention_merge_loop_run$run.json" >/dev/null || status=1
-  done
+  attention_check merge_loop 250 \
+    "merge_loop_is_the_unrolled_merge or merge_in_the_kernel_equals and 2-" 4 75 \
+    --batches 64 128 --variants heads merge_loop
 fi
 # experiments/long_context_studies.py: STUDY (block_score), the committed combined reports in
 # RESTORE counted as done (unset: every block_score_4k_ratio*_h200_* report; empty: none),
