@@ -166,6 +166,15 @@ def _mosaic_us(r: dict) -> float | None:
     return r["longest_kernel_us"]
 
 
+def _mgpu_rows(report: dict) -> dict[tuple, dict]:
+    """An attention bench report's timed Mosaic GPU rows by (batch, implementation)."""
+    return {
+        (r["batch"], r["implementation"]): r
+        for r in report["results"]
+        if r["implementation"].startswith("pallas_mgpu") and "time_us" in r
+    }
+
+
 def _paired(deltas: list[float]) -> str:
     return f"{statistics.median(deltas):+.2f} ({min(deltas):+.2f} … {max(deltas):+.2f})"
 
@@ -199,14 +208,7 @@ def attention_versions(
         "|---|---|---|---|---|---|",
     ]
 
-    def rows(report: dict) -> dict:
-        return {
-            (r["batch"], r["implementation"]): r
-            for r in report["results"]
-            if r["implementation"].startswith("pallas_mgpu") and "time_us" in r
-        }
-
-    pairs = [(rows(b), rows(a)) for b, a in zip(before, after, strict=True)]
+    pairs = [(_mgpu_rows(b), _mgpu_rows(a)) for b, a in zip(before, after, strict=True)]
     keys = sorted(set.intersection(*(set(b) & set(a) for b, a in pairs)))
     for key in keys:
         was = [_mosaic_us(b[key]) for b, _ in pairs]
@@ -250,15 +252,8 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
         "|---|---|" + "---|" * (len(reports) + 3),
     ]
 
-    keys = []
-    for report in reports:
-        for r in report["results"]:
-            if r["implementation"].startswith("pallas_mgpu") and "time_us" in r:
-                keys.append((r["batch"], r["implementation"]))
-    by_run = [
-        {(r["batch"], r["implementation"]): r for r in report["results"] if "time_us" in r}
-        for report in reports
-    ]
+    by_run = [_mgpu_rows(report) for report in reports]
+    keys = [key for run in by_run for key in run]
 
     for key in dict.fromkeys(sorted(keys)):
         cells, kernels, deltas, call_deltas = [], [], [], []

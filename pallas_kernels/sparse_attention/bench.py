@@ -76,9 +76,9 @@ merged them in the kernel; since the fourteenth, the default does so at two spli
 merged in the kernel at any number of splits; with its slots made by an XLA op before the
 kernel (as before the thirteenth session, which made the kernel build them); with its merge in
 the kernel looping over 64 columns a pass (`merge_columns`; the nineteenth session's, not yet
-timed); and the exchange
-kernel without the top-k rows' gather and decode, without the gather alone, or without the
-decode alone (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
+timed); and the exchange kernel without the top-k rows' gather and decode, without the gather
+alone, or without the decode alone (leave-one-out timings: their outputs are wrong, their
+`rel_err` large)."""
 
 
 def bf16_cache_attention(

@@ -1132,11 +1132,10 @@ def _merge_splits(
     of every split's partial is copied back (L2 holds them; a bulk copy fills whole swizzled
     [64, D/2] buffers only), weighted by exp2(lse − max lse) / Σ, summed in float32 and
     written to `final_ref` as bf16 (`pass_columns` of them a pass of a loop; None: all at
-    once, unrolled: `TuningConfig.merge_columns`). An empty row
-    (every lse −inf) gives zeros, a NaN lse NaN: as `_combine_splits`. `views`: `splits`
-    [64, D/2] buffers of shared memory that no one reads once the cluster has met (the key
-    tiles, q). GPU only (`fp4_sparse_attention_mgpu`
-    merges in XLA when interpreted)."""
+    once, unrolled: `TuningConfig.merge_columns`). An empty row (every lse −inf) gives
+    zeros, a NaN lse NaN: as `_combine_splits`. `views`: `splits` [64, D/2] buffers of shared
+    memory that no one reads once the cluster has met (the key tiles, q). GPU only
+    (`fp4_sparse_attention_mgpu` merges in XLA when interpreted)."""
     wg = lax.axis_index("wg")
     _publish_partials()
     plgpu.barrier_arrive(cluster_barrier)
@@ -1160,15 +1159,14 @@ def _merge_splits(
         total = jnp.where(total > 0, total, 1.0)
         plgpu.barrier_wait(half_barrier)
 
-        def merge_pass(at, scales=None):  # at: a slice of the columns, None for all
+        def merge_pass(at):  # at: a slice of the columns, None for all
             out = None
             for p in range(splits):
                 part = plgpu.load(
                     views[p] if at is None else views[p].at[:, at], layout=plgpu.Layout.WGMMA
                 )
                 part = part.astype(jnp.float32)
-                scale = weights[p] / total if scales is None else scales[p]
-                part = part * lax.broadcast_in_dim(scale, part.shape, [0])
+                part = part * lax.broadcast_in_dim(weights[p] / total, part.shape, [0])
                 out = part if out is None else out + part
             # Each thread stores the elements it loaded: views[0] is read back only by itself.
             (views[0] if at is None else views[0].at[:, at])[...] = out.astype(jnp.bfloat16)
@@ -1178,10 +1176,9 @@ def _merge_splits(
         else:
             n = pass_columns  # `fp4_sparse_attention_mgpu` checked that it divides half
             assert half % n == 0, (half, n)
-            scales = [weight / total for weight in weights]  # once, before the loop
 
             def loop_pass(t, carry):
-                merge_pass(pl.ds(pl.multiple_of(t * n, n), n), scales)
+                merge_pass(pl.ds(pl.multiple_of(t * n, n), n))
                 return carry
 
             lax.fori_loop(0, half // n, loop_pass, None)
