@@ -4,8 +4,9 @@
 # H100 kind (`nvidia-h100-x1`); the H200's gVisor refuses them (the device library's KINDS.md).
 #   bash scripts/ncu.sh                        # every profile below
 #   bash scripts/ncu.sh attention_b128 scan    # some of them
-#   bash scripts/ncu.sh attention_b64_warm attention_b64_merge_loop_warm   # the nineteenth
-#                                              # session's: the merge unrolled, then looped
+#   bash scripts/ncu.sh attention_b64_merge_unrolled_warm attention_b64_warm   # the merge
+#                                              # unrolled (the default before the twentieth
+#                                              # session), then looped (the default since)
 # Per profile, in $NCU_WORK (default /tmp/ncu_work): <name>.ncu-rep (open it in the Nsight Compute
 # UI), <name>_details.txt (every section: throughput, memory, warp states and their stall reasons,
 # occupancy) and <name>_sass.csv.gz (the SASS, each instruction with its warp-state samples). The
@@ -33,8 +34,8 @@ declare -A PROFILES=(
   [attention_b64]="attention --batch 64"
   [attention_b128_warm]="attention --batch 128"
   [attention_b64_warm]="attention --batch 64"
-  [attention_b64_merge_loop]="attention --batch 64 --variant merge_loop"
-  [attention_b64_merge_loop_warm]="attention --batch 64 --variant merge_loop"
+  [attention_b64_merge_unrolled]="attention --batch 64 --variant merge_unrolled"
+  [attention_b64_merge_unrolled_warm]="attention --batch 64 --variant merge_unrolled"
   [attention_b128_no_topk_rows]="attention --batch 128 --variant no_topk_rows"
   [attention_b128_registers]="attention --batch 128 --variant registers"
   [attention_b128_async_gather]="attention --batch 128 --variant async_gather"
@@ -46,7 +47,7 @@ declare -A PROFILES=(
 )
 names=("$@")
 [[ ${#names[@]} == 0 ]] && names=(attention_b128 attention_b64 attention_b128_warm attention_b64_warm
-  attention_b64_merge_loop attention_b64_merge_loop_warm
+  attention_b64_merge_unrolled attention_b64_merge_unrolled_warm
   attention_b128_no_topk_rows attention_b128_registers
   attention_b128_async_gather attention_b128_pipelined attention_b128_pipelined_async
   attention_b64_pipelined pooled scan)

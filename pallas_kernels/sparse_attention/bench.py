@@ -60,6 +60,7 @@ MGPU_VARIANTS = {
     "split_keys": kernel_mgpu.TuningConfig(qk="keys"),
     "split_keys_registers": kernel_mgpu.TuningConfig(qk="keys", gather="registers"),
     "merge_loop": kernel_mgpu.TuningConfig(merge_columns=64),
+    "merge_unrolled": kernel_mgpu.TuningConfig(merge_columns=None),
     "no_topk_rows": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_rows"),
     "no_topk_gather": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_gather"),
     "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
@@ -75,10 +76,10 @@ and staged; the default with its splits merged in XLA (as before the twelfth ses
 merged them in the kernel; since the fourteenth, the default does so at two splits only) and
 merged in the kernel at any number of splits; with its slots made by an XLA op before the
 kernel (as before the thirteenth session, which made the kernel build them); with its merge in
-the kernel looping over 64 columns a pass (`merge_columns`; the nineteenth session's, not yet
-timed); and the exchange kernel without the top-k rows' gather and decode, without the gather
-alone, or without the decode alone (leave-one-out timings: their outputs are wrong, their
-`rel_err` large)."""
+the kernel looping over 64 columns a pass (`merge_columns`; the nineteenth session's, the
+default since the twentieth) and unrolled (the default before); and the exchange kernel
+without the top-k rows' gather and decode, without the gather alone, or without the decode
+alone (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
 
 
 def bf16_cache_attention(

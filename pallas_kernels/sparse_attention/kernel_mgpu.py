@@ -370,10 +370,11 @@ class TuningConfig:
         bf16) that divides D/2. None: all D/2 at once, as straight-line code that each warp
         runs once (about 1,700 of the batch-64 program's 5,704 SASS instructions with the
         output's stores, where 803 of its 862 `no_inst` samples fell: Nsight Compute, H100,
-        eighteenth session; the profiler flushes the caches, so how much of that a benchmark
-        pays is not measured). 64: a loop of four passes at D = 512, a shorter program
-        (`tests/test_kernel_lowering.py`); built and lowered in the nineteenth session, not
-        yet run on a GPU, hence not the default (`bench.py --variants merge_loop`).
+        eighteenth session). 64, the default since the twentieth session: a loop of four
+        passes at D = 512, a shorter program (`tests/test_kernel_lowering.py`) with the same
+        bits (`test_the_merge_loop_is_the_unrolled_merge_bit_for_bit_gpu`), faster at batch 64
+        in each of four paired runs on an H100 by 0.20 µs of 28.68 (NOTES.md; `bench.py
+        --variants merge_unrolled` times the unrolled merge).
     """
 
     dequant: str = "ptx"
@@ -386,7 +387,7 @@ class TuningConfig:
     slots: str | None = None
     qk: str | None = None
     ablation: str | None = None
-    merge_columns: int | None = None
+    merge_columns: int | None = MERGE_TILE
 
     def __post_init__(self):
         if self.qk not in (None, *QK_SPLITS):
