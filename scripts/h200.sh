@@ -504,9 +504,9 @@ if [[ $stage == merge_loop ]]; then
   # at batch 64 (two splits: the changed program) and 128 (one split: a control, the same
   # program in all three rows but `heads`). Guards 250 + 4 x 75 s. On the one-GPU H100 kind,
   # `scripts/ncu.sh attention_b64_merge_unrolled_warm attention_b64_warm` next (a call of its
-  # own). Run in the twentieth session (RUNS=2, then two more runs): the loop, faster in each
-  # run, is the default since (attention NOTES).
-  # RUNS=2 fits the stage into less device time (about 400 s at most).
+  # own). RUNS=2 fits the stage into less device time (about 400 s at most). Run in the
+  # twentieth session (RUNS=2, then two more runs): the loop, faster in each run, is the
+  # default since (attention NOTES).
   attention_check merge_loop 250 \
     "merge_loop_is_the_unrolled_merge or merge_in_the_kernel_equals and 2-" "${RUNS:-4}" 75 \
     --batches 64 128 --variants heads merge_loop

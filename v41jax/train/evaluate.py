@@ -172,16 +172,15 @@ def _finite_or_none(values) -> list[float | None]:
 
 
 @nnx.jit
-def _snapshot_arrays(model: Model, tokens: Int[Array, "1 t"]):
-    """`pool_snapshot`'s arrays of one example, in one program: the source's block scores, its
-    pool's block ids, and each Reindex layer's picks, per query. Op by op, a fresh process
-    compiled some 450 small programs for them (16.8 s against 3.2 s jitted on 2 cores,
-    2026-12-07, one run each)."""
+def _snapshot_arrays(model: Model, tokens: Int[Array, "1 t"], lens: Int[Array, " t"]):
+    """`pool_snapshot`'s arrays of one example (`lens`: each query's visible source
+    positions), in one program: the source's block scores, its pool's block ids, and each
+    Reindex layer's picks, per query. Op by op, a fresh process compiled some 450 small
+    programs for them (16.8 s against 3.2 s jitted on 2 cores, 2026-12-07, one run each; a
+    process that had compiled them already ran it in 0.9 s)."""
     c = model.config
     _, trace = model.run(tokens, dense=False, diagnostics=True)
     source = trace[c.candidate_source_layer]
-    ratio = c.layers[c.candidate_source_layer].compress_ratio
-    lens = (jnp.arange(tokens.shape[1]) + 1) // ratio
     scores = block_scores(source.aux["scores"][0], lens, c.candidate_block_size, c.block_score)
     picks = [s.shared.topk[0] for p, s in zip(c.layers, trace, strict=True) if p.uses_candidates]
     return scores, source.shared.pool.block_ids[0], picks
@@ -206,7 +205,8 @@ def pool_snapshot(model: Model, task, *, seed: int, scores_for: int = 4) -> dict
     batch = task.batch_at(seed, 0, 1)
     ratio, size = c.layers[c.candidate_source_layer].compress_ratio, c.candidate_block_size
     lens = (np.arange(batch.tokens.shape[1]) + 1) // ratio
-    scores, pool_ids, picks = jax.device_get(_snapshot_arrays(model, jnp.asarray(batch.tokens)))
+    arrays = _snapshot_arrays(model, jnp.asarray(batch.tokens), jnp.asarray(lens))
+    scores, pool_ids, picks = jax.device_get(arrays)
     reindex = [p.layer for p in c.layers if p.uses_candidates]
     queries = []
     for t in np.flatnonzero(batch.loss_mask[0]):
