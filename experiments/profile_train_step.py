@@ -106,7 +106,7 @@ def profile(cfg: train.TrainConfig, dense: bool, steps: int) -> dict:
             model, optimizer, tokens, targets, mask, dense=dense, indexer_kl_weight=kl
         )
 
-    @nnx.jit
+    @nnx.jit(graph_updates=False)  # the forward alone: no parameter copied out (nn/model.py)
     def forward(model, tokens, targets, mask):
         return train.loss_fn(model, tokens, targets, mask, dense=dense, indexer_kl_weight=kl)[0]
 

@@ -170,7 +170,14 @@ def _prefill_impl(model: Model, tokens, lengths, *, max_len: int, implementation
     return logits, cache, _selections(model.config, [t.shared for t in trace])
 
 
-_prefill = nnx.jit(_prefill_impl, static_argnames=("max_len", "implementation", "debug"))
+# graph_updates=False: nnx.jit's default returns every Variable of the model from the program
+# (graph updates), and XLA then copies each parameter into a new output buffer at every call:
+# 176 copies in a decode step of small_kernels(), 0.39 ms of its 2.21 ms at 64 K tokens on an
+# H100 (experiments/results/bench_decode_h100_2026-12-07_merge_loop.json's kernel list). A
+# Variable the function assigns is still handed back; nothing here assigns one.
+_prefill = nnx.jit(
+    _prefill_impl, static_argnames=("max_len", "implementation", "debug"), graph_updates=False
+)
 
 
 def prefill(
@@ -240,10 +247,16 @@ def _decode_step_impl(model: Model, tokens, cache: Cache, *, implementation: str
     return logits, cache, _selections(model.config, states)
 
 
-_decode_step = nnx.jit(_decode_step_impl, static_argnames=("implementation", "debug"))
-# The same step with the cache's buffers donated: written in place instead of copied.
+_decode_step = nnx.jit(
+    _decode_step_impl, static_argnames=("implementation", "debug"), graph_updates=False
+)
+# The same step with the cache's buffers donated: written in place instead of copied. No
+# parameter leaves the program either (graph_updates=False, as `_prefill`).
 _decode_step_donated = nnx.jit(
-    _decode_step_impl, static_argnames=("implementation", "debug"), donate_argnames="cache"
+    _decode_step_impl,
+    static_argnames=("implementation", "debug"),
+    donate_argnames="cache",
+    graph_updates=False,
 )
 
 

@@ -44,7 +44,7 @@ def _pool(config: ModelConfig, scores, lens) -> jax.Array:
     return candidate_pool(config, scores, lens).mask
 
 
-@nnx.jit(static_argnames=("dense",))
+@nnx.jit(static_argnames=("dense",), graph_updates=False)  # no parameter copied out (model.py)
 def _eval_batch(model: Model, tokens, targets, loss_mask, evidence, key, *, dense: bool):
     c = model.config
     logits, trace = model.run(tokens, dense=dense, diagnostics=True, indexer_loss=True)
@@ -171,7 +171,7 @@ def _finite_or_none(values) -> list[float | None]:
     return [float(f"{v:.6g}") if np.isfinite(v) else None for v in np.asarray(values, np.float64)]
 
 
-@nnx.jit
+@nnx.jit(graph_updates=False)
 def _snapshot_arrays(model: Model, tokens: Int[Array, "1 t"], lens: Int[Array, " t"]):
     """`pool_snapshot`'s arrays of one example (`lens`: each query's visible source
     positions), in one program: the source's block scores, its pool's block ids, and each
