@@ -179,6 +179,26 @@ def _paired(deltas: list[float]) -> str:
     return f"{statistics.median(deltas):+.2f} ({min(deltas):+.2f} … {max(deltas):+.2f})"
 
 
+def _pairs(
+    before: list[dict], after: list[dict], before_paths: list[Path], after_paths: list[Path]
+) -> tuple[str, str]:
+    """The "Pairs: ..." and "Device: ..." of two versions' runs, paired in order.
+
+    Raises:
+      ValueError: unless there are as many runs of each version, at least one."""
+    if len(before) != len(after) or not before:
+        raise ValueError(
+            f"--against: expected as many runs before as after (at least one), got "
+            f"{len(before)} and {len(after)}"
+        )
+    names = ", ".join(
+        f"({i + 1}) `{b.name}` then `{a.name}`"
+        for i, (b, a) in enumerate(zip(before_paths, after_paths, strict=True))
+    )
+    devices = sorted({r["device"] for r in before + after})
+    return f"Pairs: {names}.", f"Device: {', '.join(devices)}."
+
+
 def attention_versions(
     before: list[dict], after: list[dict], before_paths: list[Path], after_paths: list[Path]
 ) -> str:
@@ -190,19 +210,10 @@ def attention_versions(
     Raises:
       ValueError: as many runs of each version are needed, and rows whose longest kernel is
         the Mosaic one (`_mosaic_us`)."""
-    if len(before) != len(after) or not before:
-        raise ValueError(
-            f"--against: expected as many runs before as after (at least one), got "
-            f"{len(before)} and {len(after)}"
-        )
-    devices = sorted({r["device"] for r in before + after})
-    names = ", ".join(
-        f"({i + 1}) `{b.name}` then `{a.name}`"
-        for i, (b, a) in enumerate(zip(before_paths, after_paths, strict=True))
-    )
+    pairs_line, device_line = _pairs(before, after, before_paths, after_paths)
     lines = [
-        f"Pairs: {names}.",
-        f"Device: {', '.join(devices)}.",
+        pairs_line,
+        device_line,
         "",
         "| batch | implementation | before | after | paired Δ, kernel | paired Δ, whole call |",
         "|---|---|---|---|---|---|",
@@ -454,6 +465,74 @@ def decode(report: dict) -> str:
             )
         lines.append("")
     return "\n".join(lines).rstrip("\n")
+
+
+def _copies(step: dict) -> str:
+    """The device copies among a step's kernels (`measure`'s list of its last call): count and
+    summed time."""
+    copies = [k["ms"] for k in step.get("kernels", []) if k["name"].startswith("memcpy")]
+    return f"{len(copies)} ({sum(copies) * 1e3:.1f} µs)"
+
+
+def decode_versions(
+    before: list[dict], after: list[dict], before_paths: list[Path], after_paths: list[Path]
+) -> str:
+    """Two versions of the code's decode step, each run several times, alternating on one
+    machine (run i of `after` right after run i of `before`): per context and implementation
+    that both timed, the step's median over the runs of each version, the difference after −
+    before paired run by run (median and range), tokens/s and the rest at the median run's
+    step, and the step's device copies (`memcpy` kernels) in each version's first run.
+
+    Raises:
+      ValueError: unless there are as many runs of each version, at least one."""
+    pairs_line, device_line = _pairs(before, after, before_paths, after_paths)
+    commits = [sorted({r["commit"] for r in runs}) for runs in (before, after)]
+    lines = [
+        pairs_line,
+        f"{device_line} Commits: before {', '.join(commits[0])}; after {', '.join(commits[1])}.",
+        "",
+        "| context | batch | implementation | step before | step after | paired Δ | "
+        "tokens/s before | tokens/s after | rest before | rest after | copies before | "
+        "copies after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def timed(report, n, impl):
+        e = report["contexts"].get(n, {}).get(impl, {})
+        return e if "median_ms" in e.get("step", {}) else None
+
+    contexts = sorted(set.intersection(*(set(r["contexts"]) for r in before + after)), key=int)
+    for n in contexts:
+        impls = [k for k in after[0]["contexts"][n] if isinstance(after[0]["contexts"][n][k], dict)]
+        for impl in impls:
+            pairs = [
+                (timed(b, n, impl), timed(a, n, impl)) for b, a in zip(before, after, strict=True)
+            ]
+            if any(b is None or a is None for b, a in pairs):
+                continue
+            was = [b["step"]["median_ms"] for b, _ in pairs]
+            now = [a["step"]["median_ms"] for _, a in pairs]
+            deltas = [w - v for v, w in zip(was, now, strict=True)]
+            mid_b = sorted((b for b, _ in pairs), key=lambda e: e["step"]["median_ms"])
+            mid_a = sorted((a for _, a in pairs), key=lambda e: e["step"]["median_ms"])
+            mb, ma = mid_b[(len(mid_b) - 1) // 2], mid_a[(len(mid_a) - 1) // 2]
+            deltas_text = (
+                f"{statistics.median(deltas):+.3f} ({min(deltas):+.3f} … {max(deltas):+.3f})"
+            )
+            lines.append(
+                f"| {_context(int(n))} | {before[0]['contexts'][n]['batch']} | {impl} | "
+                f"{statistics.median(was):.3f} | {statistics.median(now):.3f} | {deltas_text} | "
+                f"{mb['tokens_per_s']:,.0f} | {ma['tokens_per_s']:,.0f} | "
+                f"{mb.get('rest_ms', float('nan')):.3f} | {ma.get('rest_ms', float('nan')):.3f} | "
+                f"{_copies(pairs[0][0]['step'])} | {_copies(pairs[0][1]['step'])} |"
+            )
+    lines += [
+        "",
+        "Times in ms: each run's median step (chained, donated), median over the runs; Δ: after "
+        "− before, median (range) over the pairs; tokens/s and rest at the lower median run; "
+        "copies: `memcpy` kernels of one step (count, summed time).",
+    ]
+    return "\n".join(lines)
 
 
 def _where(report: dict) -> str:
@@ -789,7 +868,8 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         type=Path,
         default=[],
-        help="with --attention-runs: the runs of the code before, paired in order with the paths",
+        help="with --attention-runs or --decode: the runs of the code before, paired in order "
+        "with the paths",
     )
     parser.add_argument(
         "--targets",
@@ -818,6 +898,9 @@ def main(argv: list[str] | None = None) -> None:
             print(topk(report))
     elif args.source_scan:
         print("\n\n".join(source_scan(report) for report in reports))
+    elif args.decode and args.against:
+        before = [json.loads(p.read_text()) for p in args.against]
+        print(decode_versions(before, reports, args.against, args.paths))
     elif args.decode:
         print("\n\n".join(decode(report) for report in reports))
     elif args.long_context:

@@ -1129,3 +1129,35 @@ def test_attention_versions_pair_each_run_after_with_the_run_before():
     assert "| 32 |" not in table, table
     with pytest.raises(ValueError, match="expected as many runs before as after"):
         bench_tables.attention_versions(before, after[:2], paths[0], paths[1][:2])
+
+
+def test_decode_versions_pair_each_step_after_with_the_step_before():
+    """`bench_tables --decode AFTER... --against BEFORE...`: per context and implementation both
+    versions timed, each version's median step, the differences after − before paired run by
+    run, tokens/s and the rest at the lower median run, and the step's device copies; a
+    context or implementation that some run lacks gets no row; unequal run counts are refused."""
+    from experiments import bench_tables
+
+    def run(step_ms: float, copies: int, commit: str) -> dict:
+        kernels = [{"name": "memcpy", "ms": 0.002}] * copies + [{"name": "fusion", "ms": 1.0}]
+        entry = {
+            "step": {"median_ms": step_ms, "kernels": kernels},
+            "tokens_per_s": 64 / (step_ms / 1e3),
+            "rest_ms": step_ms - 1.0,
+        }
+        contexts = {"65536": {"batch": 64, "pallas": entry, "xla": {"step": {"error": "OOM"}}}}
+        return {"device": "GPU X", "commit": commit, "contexts": contexts}
+
+    before = [run(2.2, 177, "old"), run(2.3, 177, "old")]
+    after = [run(1.8, 1, "new"), run(1.85, 1, "new")]
+    paths = [Path("b0.json"), Path("b1.json")], [Path("a0.json"), Path("a1.json")]
+    table = bench_tables.decode_versions(before, after, *paths)
+    assert "Commits: before old; after new." in table, table
+    # Step deltas -0.40 and -0.45; lower median runs: 2.2 (29,091 tokens/s) and 1.8 (35,556).
+    assert "| 64K | 64 | pallas | 2.250 | 1.825 | -0.425 (-0.450 … -0.400) | 29,091 | 35,556 | " \
+        "1.200 | 0.800 | 177 (354.0 µs) | 1 (2.0 µs) |" in table, table  # fmt: skip
+    assert "| xla |" not in table, table  # not timed
+    del after[1]["contexts"]["65536"]["pallas"]
+    assert "| pallas |" not in bench_tables.decode_versions(before, after, *paths)
+    with pytest.raises(ValueError, match="expected as many runs before as after"):
+        bench_tables.decode_versions(before, after[:1], paths[0], paths[1][:1])
