@@ -6,6 +6,7 @@ and `train_throughput.py`, so the document's numbers are the JSON's, never retyp
     python3 experiments/bench_tables.py --long-context experiments/results/long_context_h200_*.json
     python3 experiments/bench_tables.py --groups experiments/results/train_throughput_group_*.json
     python3 experiments/bench_tables.py --decode experiments/results/bench_decode_h200_*.json
+    python3 experiments/bench_tables.py --step-kernels experiments/results/bench_decode_h200_*.json
     python3 experiments/bench_tables.py --topk experiments/results/bench_topk_h200_*.json
     python3 experiments/bench_tables.py --targets SCAN.json POOLED.json ATTENTION.json DECODE.json
 """
@@ -467,6 +468,48 @@ def decode(report: dict) -> str:
     return "\n".join(lines).rstrip("\n")
 
 
+def _kind(name: str) -> str:
+    """A device kernel's kind: its name without XLA's numbering (`gemm_fusion_dot.12`,
+    `topk_radix_select__3`, `loop_add_fusion_2` → `gemm_fusion_dot`, `topk_radix_select`, ...)."""
+    return re.sub(r"(_{1,2}|\.)\d+$", "", name)
+
+
+def step_kernels(report: dict, shown: int = 12) -> str:
+    """`bench_decode.py`: what a decode step launched, by kernel kind (the step's last timed
+    call, `measure_chain`'s kernel list): per kind the kernels, their summed time and share of
+    the call, the `shown` largest kinds and the rest summed."""
+    lines = [f"Decode steps' kernels by kind (commit {report['commit']}, {report['device']}):"]
+    for n, c in sorted(report["contexts"].items(), key=lambda kv: int(kv[0])):
+        for impl in (
+            k for k in c if isinstance(c[k], dict) and c[k].get("step", {}).get("kernels")
+        ):
+            kernels = c[impl]["step"]["kernels"]
+            total = sum(k["ms"] for k in kernels)
+            kinds: dict[str, list[float]] = {}
+            for k in kernels:
+                kinds.setdefault(_kind(k["name"]), []).append(k["ms"])
+            ranked = sorted(kinds.items(), key=lambda kv: -sum(kv[1]))
+            lines += [
+                "",
+                f"{_context(int(n))} tokens, batch {c['batch']}, {impl}: {len(kernels)} kernels, "
+                f"{total:.3f} ms:",
+                "",
+                "| kind | kernels | µs | share |",
+                "|---|---|---|---|",
+            ]
+            for kind, ms in ranked[:shown]:
+                lines.append(
+                    f"| {kind} | {len(ms)} | {sum(ms) * 1e3:.1f} | {sum(ms) / total:.1%} |"
+                )
+            rest = [ms for _, group in ranked[shown:] for ms in group]
+            if rest:
+                lines.append(
+                    f"| {len(ranked) - shown} other kinds | {len(rest)} | {sum(rest) * 1e3:.1f} | "
+                    f"{sum(rest) / total:.1%} |"
+                )
+    return "\n".join(lines)
+
+
 def _copies(step: dict) -> str:
     """The device copies among a step's kernels (`measure`'s list of its last call): count and
     summed time."""
@@ -840,6 +883,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--decode", action="store_true", help="the paths are bench_decode runs")
     parser.add_argument(
+        "--step-kernels",
+        action="store_true",
+        help="the paths are bench_decode runs: each step's kernels by kind",
+    )
+    parser.add_argument(
         "--topk", action="store_true", help="the paths are pallas_kernels.topk.bench runs"
     )
     parser.add_argument(
@@ -898,6 +946,8 @@ def main(argv: list[str] | None = None) -> None:
             print(topk(report))
     elif args.source_scan:
         print("\n\n".join(source_scan(report) for report in reports))
+    elif args.step_kernels:
+        print("\n\n".join(step_kernels(report) for report in reports))
     elif args.decode and args.against:
         before = [json.loads(p.read_text()) for p in args.against]
         print(decode_versions(before, reports, args.against, args.paths))

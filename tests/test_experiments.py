@@ -1161,3 +1161,33 @@ def test_decode_versions_pair_each_step_after_with_the_step_before():
     assert "| pallas |" not in bench_tables.decode_versions(before, after, *paths)
     with pytest.raises(ValueError, match="expected as many runs before as after"):
         bench_tables.decode_versions(before, after[:1], paths[0], paths[1][:1])
+
+
+def test_step_kernels_group_a_steps_kernels_by_kind():
+    """`bench_tables --step-kernels`: a decode step's kernels grouped by their name without
+    XLA's numbering, largest first, with the kinds past `shown` summed in one row; an
+    implementation whose step did not run is left out."""
+    from experiments import bench_tables
+
+    kernels = [
+        {"name": "gemm_fusion_dot.3", "ms": 0.004},
+        {"name": "gemm_fusion_dot.12", "ms": 0.005},
+        {"name": "topk_radix_select__2", "ms": 0.02},
+        {"name": "loop_add_fusion_1", "ms": 0.001},
+    ]
+    report = {
+        "commit": "abc",
+        "device": "GPU X",
+        "contexts": {
+            "65536": {"batch": 64, "pallas": {"step": {"kernels": kernels}}, "xla": {"step": {}}}
+        },
+    }
+    table = bench_tables.step_kernels(report, shown=2)
+    assert "64K tokens, batch 64, pallas: 4 kernels, 0.030 ms:" in table, table
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| kind")]
+    assert rows == [
+        "| topk_radix_select | 1 | 20.0 | 66.7% |",
+        "| gemm_fusion_dot | 2 | 9.0 | 30.0% |",
+        "| 1 other kinds | 1 | 1.0 | 3.3% |",
+    ], table
+    assert "xla" not in table, table
