@@ -925,6 +925,8 @@ def main(argv: list[str] | None = None) -> None:
         help="issue 16's targets from source-scan, pooled, attention and decode runs",
     )
     args = parser.parse_args(argv)
+    if args.against and not (args.attention_runs or args.decode):
+        parser.error("--against: pairs runs of --attention-runs or --decode; give one of them")
     reports = [json.loads(p.read_text()) for p in args.paths]
     if args.targets:
         print(targets(reports, args.paths))

@@ -1191,3 +1191,13 @@ def test_step_kernels_group_a_steps_kernels_by_kind():
         "| 1 other kinds | 1 | 1.0 | 3.3% |",
     ], table
     assert "xla" not in table, table
+
+
+def test_bench_tables_refuses_against_without_a_kind_of_run_to_pair(capsys):
+    """`--against` pairs attention or decode runs; with neither it would have printed the
+    paths as kernel reports, the pairing silently dropped. It is refused by name."""
+    from experiments import bench_tables
+
+    with pytest.raises(SystemExit):
+        bench_tables.main(["a.json", "--against", "b.json"])
+    assert "--against: pairs runs of --attention-runs or --decode" in capsys.readouterr().err
