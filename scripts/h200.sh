@@ -18,6 +18,7 @@
 #                                   # | split_keys | split_keys_runs
 #                                   # | keys_default (the fifteenth's) | keys_merge
 #                                   # (the sixteenth's) | merge_loop (the nineteenth's)
+#                                   # | decode_pairs (BEFORE=<commit>: two versions' decode steps)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -510,6 +511,23 @@ if [[ $stage == merge_loop ]]; then
   attention_check merge_loop 250 \
     "merge_loop_is_the_unrolled_merge or merge_in_the_kernel_equals and 2-" "${RUNS:-4}" 75 \
     --batches 64 128 --variants heads merge_loop
+fi
+if [[ $stage == decode_pairs ]]; then
+  # Two versions of the decode step side by side (the twenty-first session's, run inline then):
+  # BEFORE=<commit> checked out beside this tree, then `bench_decode.py` alternating, the code
+  # before first, RUNS times each (default 2), at CONTEXTS (default 65536) and BATCH (64),
+  # `--implementations ${IMPLS:-pallas}`; about 95 s a run at 64 K on an H100. Here:
+  #   bench_tables.py --decode <after_run*.json> --against <before_run*.json>
+  before=${BEFORE:?set BEFORE to the commit to compare against}
+  git config --global --add safe.directory '*'
+  rm -rf /tmp/before && git worktree add -f /tmp/before "$before" >/dev/null || exit 1
+  pair_argv=(--contexts ${CONTEXTS:-65536} --batch ${BATCH:-64} --implementations ${IMPLS:-pallas})
+  for ((r = 1; r <= ${RUNS:-2}; r++)); do
+    (cd /tmp/before && V41JAX_COMMIT=$before timeout -s INT 170 "$PY" experiments/bench_decode.py \
+      "${pair_argv[@]}" --out "$OUT/before_run$r.json" >"$OUT/log_before$r.txt" 2>&1) || status=1
+    timeout -s INT 170 "$PY" experiments/bench_decode.py "${pair_argv[@]}" \
+      --out "$OUT/after_run$r.json" >"$OUT/log_after$r.txt" 2>&1 || status=1
+  done
 fi
 # experiments/long_context_studies.py: STUDY (block_score), the committed combined reports in
 # RESTORE counted as done (unset: every block_score_4k_ratio*_h200_* report; empty: none),
