@@ -517,6 +517,12 @@ def _copies(step: dict) -> str:
     return f"{len(copies)} ({sum(copies) * 1e3:.1f} µs)"
 
 
+def _lower_median_run(entries: list[dict]) -> dict:
+    """The run whose median step is the lower median of the runs'."""
+    ranked = sorted(entries, key=lambda e: e["step"]["median_ms"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def decode_versions(
     before: list[dict], after: list[dict], before_paths: list[Path], after_paths: list[Path]
 ) -> str:
@@ -556,9 +562,7 @@ def decode_versions(
             was = [b["step"]["median_ms"] for b, _ in pairs]
             now = [a["step"]["median_ms"] for _, a in pairs]
             deltas = [w - v for v, w in zip(was, now, strict=True)]
-            mid_b = sorted((b for b, _ in pairs), key=lambda e: e["step"]["median_ms"])
-            mid_a = sorted((a for _, a in pairs), key=lambda e: e["step"]["median_ms"])
-            mb, ma = mid_b[(len(mid_b) - 1) // 2], mid_a[(len(mid_a) - 1) // 2]
+            mb, ma = (_lower_median_run([pair[i] for pair in pairs]) for i in (0, 1))
             deltas_text = (
                 f"{statistics.median(deltas):+.3f} ({min(deltas):+.3f} … {max(deltas):+.3f})"
             )
