@@ -516,16 +516,17 @@ if [[ $stage == decode_pairs ]]; then
   # Two versions of the decode step side by side (the twenty-first session's, run inline then):
   # BEFORE=<commit> checked out beside this tree, then `bench_decode.py` alternating, the code
   # before first, RUNS times each (default 2), at CONTEXTS (default 65536) and BATCH (64),
-  # `--implementations ${IMPLS:-pallas}`; about 95 s a run at 64 K on an H100. Here:
+  # `--implementations ${IMPLS:-pallas}`; about 95 s a run at 64 K on an H100 (GUARD: each run's
+  # cap, default 170 s; more for 256 K and 1 M). Here:
   #   bench_tables.py --decode <after_run*.json> --against <before_run*.json>
   before=${BEFORE:?set BEFORE to the commit to compare against}
   git config --global --add safe.directory '*'
   rm -rf /tmp/before && git worktree add -f /tmp/before "$before" >/dev/null || exit 1
   pair_argv=(--contexts ${CONTEXTS:-65536} --batch ${BATCH:-64} --implementations ${IMPLS:-pallas})
   for ((r = 1; r <= ${RUNS:-2}; r++)); do
-    (cd /tmp/before && V41JAX_COMMIT=$before timeout -s INT 170 "$PY" experiments/bench_decode.py \
+    (cd /tmp/before && V41JAX_COMMIT=$before timeout -s INT ${GUARD:-170} "$PY" experiments/bench_decode.py \
       "${pair_argv[@]}" --out "$OUT/before_run$r.json" >"$OUT/log_before$r.txt" 2>&1) || status=1
-    timeout -s INT 170 "$PY" experiments/bench_decode.py "${pair_argv[@]}" \
+    timeout -s INT ${GUARD:-170} "$PY" experiments/bench_decode.py "${pair_argv[@]}" \
       --out "$OUT/after_run$r.json" >"$OUT/log_after$r.txt" 2>&1 || status=1
   done
 fi
