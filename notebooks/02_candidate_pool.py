@@ -108,7 +108,10 @@ example = shown.batch_at(eval_seed, 0, 1)
 print(task.describe())
 print(task.format_example(example, 0))
 
-run_with_diagnostics = nnx.jit(lambda model, tokens: model.run(tokens, diagnostics=True))
+# graph_updates=False: the program hands back only the logits and the trace, no parameter.
+run_with_diagnostics = nnx.jit(
+    lambda model, tokens: model.run(tokens, diagnostics=True), graph_updates=False
+)
 logits, trace = run_with_diagnostics(model, jnp.asarray(example.tokens))
 
 seq = example.tokens.shape[1]
