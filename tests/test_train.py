@@ -355,6 +355,29 @@ def test_evidence_metrics_count_the_answer_position_in_the_pool_and_the_selectio
         assert got[key] == pytest.approx(count / n), key
 
 
+@pytest.mark.parametrize("program", ["eval_batch", "snapshot_arrays"])
+def test_the_evaluation_programs_hand_back_no_parameter(evidence_case, program):
+    """`evaluate`'s and `pool_snapshot`'s compiled programs return their results and nothing
+    else (`nnx.jit(graph_updates=False)`, as the model's prefill and decode steps,
+    tests/test_model.py): with nnx.jit's default every Variable of the model left the program
+    too, a copy of each parameter at every call. Counted on the lowered program."""
+    model, task, c, _ = evidence_case
+    b = task.batch_at(7, 0, 1)
+    if program == "eval_batch":
+        fn, impl, kwargs = evaluate._eval_batch, evaluate._eval_batch.fun, {"dense": False}
+        args = (b.tokens, b.targets, b.loss_mask, b.evidence)
+        args = (model, *map(jnp.asarray, args), jax.random.key(0))
+    else:
+        fn, impl, kwargs = evaluate._snapshot_arrays, evaluate._snapshot_arrays.fun, {}
+        lens = (np.arange(b.tokens.shape[1]) + 1) // c.layers[
+            c.candidate_source_layer
+        ].compress_ratio
+        args = (model, jnp.asarray(b.tokens), jnp.asarray(lens))
+    results = nnx.eval_shape(lambda m, *a: impl(m, *a, **kwargs), *args)
+    outputs = jax.tree.leaves(fn.lower(*args, **kwargs).lowered.out_info)
+    assert len(outputs) == len(jax.tree.leaves(results))
+
+
 def test_a_pool_snapshot_agrees_with_the_pool_and_the_evidence_metrics(evidence_case):
     model, task, c, got = evidence_case
     snap = evaluate.pool_snapshot(model, task, seed=7, scores_for=2)
