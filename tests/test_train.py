@@ -369,9 +369,8 @@ def test_the_evaluation_programs_hand_back_no_parameter(evidence_case, program):
         args = (model, *map(jnp.asarray, args), jax.random.key(0))
     else:
         fn, impl, kwargs = evaluate._snapshot_arrays, evaluate._snapshot_arrays.fun, {}
-        lens = (np.arange(b.tokens.shape[1]) + 1) // c.layers[
-            c.candidate_source_layer
-        ].compress_ratio
+        ratio = c.layers[c.candidate_source_layer].compress_ratio
+        lens = (np.arange(b.tokens.shape[1]) + 1) // ratio  # as `pool_snapshot` passes them
         args = (model, jnp.asarray(b.tokens), jnp.asarray(lens))
     results = nnx.eval_shape(lambda m, *a: impl(m, *a, **kwargs), *args)
     outputs = jax.tree.leaves(fn.lower(*args, **kwargs).lowered.out_info)
