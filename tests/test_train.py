@@ -167,29 +167,36 @@ def test_init_from_starts_a_stage_from_the_weights_of_another_run(tmp_path):
     short = SMOKE.replace(seed=5)  # the seed changes no compiled program
     train.run(short, tmp_path / "short" / "seed5", progress=False)
     _, trained = train.load(tmp_path / "short" / "seed5")
-    # The next stage: a longer task, fresh optimizer; {seed} names the seed's own first stage.
-    longer = short.replace(init_from=str(tmp_path / "short" / "seed{seed}")).with_task(seq_len=96)
-    model, _ = train.build(longer)
+    # The next stage: a fresh optimizer; {seed} names the seed's own first stage. The same task,
+    # so its programs are the first stage's: a longer one would compile its own (~15 s of the
+    # suite), and stages that climb in length run in test_experiments' long_context_task smoke.
+    stage2 = short.replace(init_from=str(tmp_path / "short" / "seed{seed}"))
+    model, _ = train.build(stage2)
     fresh = _params(model)
-    assert train.initialize_from(model, longer) == tmp_path / "short" / "seed5"
+    assert train.initialize_from(model, stage2) == tmp_path / "short" / "seed5"
     start = _params(model)
     assert start.keys() == _params(trained).keys()
     for path, value in _params(trained).items():
         np.testing.assert_array_equal(start[path], value)
     assert any(not np.array_equal(fresh[p], start[p]) for p in start)
-    result = train.run(longer, tmp_path / "long", progress=False, stop_after=1)
+    result = train.run(stage2, tmp_path / "long", progress=False, stop_after=1)
     cfg, _ = train.load(tmp_path / "long")
-    assert cfg.init_from == longer.init_from and result["step"] == 1
-    # A resumed stage continues from its own checkpoint, not from init_from again.
-    train.run(longer, tmp_path / "long", progress=False, resume=True)
+    assert cfg.init_from == stage2.init_from and result["step"] == 1
+    # A resumed stage continues from its own checkpoint, not from init_from again: it ends
+    # where the stage run in one go ends (starting over from init_from at step 1 would not).
+    train.run(stage2, tmp_path / "long", progress=False, resume=True)
     _, done = train.load(tmp_path / "long")
     assert any(not np.array_equal(start[p], v) for p, v in _params(done).items())
+    train.run(stage2, tmp_path / "whole", progress=False)
+    _, whole = train.load(tmp_path / "whole")
+    for path, value in _params(whole).items():
+        np.testing.assert_array_equal(_params(done)[path], value, err_msg=str(path))
     # Another model shape: refused, naming the parameter; no run there: refused.
-    wider = longer.with_model(ffn_dim=64)
+    wider = stage2.with_model(ffn_dim=64)
     with pytest.raises(ValueError, match=r"init_from: parameter .* expected float32\[.*64"):
         train.initialize_from(train.build(wider)[0], wider)
     with pytest.raises(train.RunDirectoryError, match="expected a run directory"):
-        train.initialize_from(model, longer.replace(init_from=str(tmp_path / "none")))
+        train.initialize_from(model, stage2.replace(init_from=str(tmp_path / "none")))
     with pytest.raises(ValueError, match=r"TrainConfig\.init_from: expected"):
         SMOKE.replace(init_from=3)
 

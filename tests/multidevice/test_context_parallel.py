@@ -5,6 +5,7 @@ data parallelism (2 × 4).
 Runs on 8 devices: `tests/test_multidevice.py` starts it with 8 simulated CPU devices.
 """
 
+import functools
 import re
 
 import jax
@@ -59,6 +60,13 @@ def _loss_and_grads(cfg, mesh, *, dense=False):
     return float(value), {p: np.asarray(v.get_value()) for p, v in flat}
 
 
+@functools.cache
+def _one_device(cfg, dense):
+    """The one-device loss and gradient, computed once per (config, stage): cases that differ
+    only in their mesh or chunking compare against the same one (query_chunk=0)."""
+    return _loss_and_grads(cfg, None, dense=dense)
+
+
 def _chunked(cfg, query_chunk):
     return cfg.replace(model_overrides={**dict(cfg.model_overrides), "query_chunk": query_chunk})
 
@@ -86,7 +94,7 @@ def test_a_context_parallel_gradient_equals_the_one_device_gradient(
     mesh_name, cfg, dense, query_chunk
 ):
     cfg = cfg.replace(model_overrides={**dict(cfg.model_overrides), **UNQUANTIZED})
-    want_loss, want = _loss_and_grads(cfg, None, dense=dense)
+    want_loss, want = _one_device(cfg, dense)
     mesh = train.make_mesh(MESHES[mesh_name])
     got_loss, got = _loss_and_grads(_chunked(cfg, query_chunk), mesh, dense=dense)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)

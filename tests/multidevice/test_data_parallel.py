@@ -70,7 +70,8 @@ def alone():
     return _train(None)
 
 
-# 8 only: the gradient at 2 and 8 is the test above's, and a run at 4 the one below.
+# 8 only: the gradient at 2 and 8 is the test above's, and a step over 4 devices of two
+# processes tests/test_multidevice.py's.
 @pytest.mark.parametrize("n_data", [8])
 def test_a_data_parallel_step_equals_the_one_device_step(alone, n_data):
     want_params, want_metrics, _ = alone
@@ -89,7 +90,8 @@ def test_a_data_parallel_step_equals_the_one_device_step(alone, n_data):
 
 
 def test_a_run_on_a_mesh_evaluates_and_checkpoints(alone, tmp_path):
-    result = train.run(CFG, tmp_path / "run", progress=False, mesh=train.make_mesh({"data": 4}))
+    # On the 8 devices of the step test above: its programs are this run's steps.
+    result = train.run(CFG, tmp_path / "run", progress=False, mesh=train.make_mesh({"data": 8}))
     single = train.run(CFG, tmp_path / "single", progress=False)
     assert result["step"] == single["step"] == CFG.steps
     np.testing.assert_allclose(result["task_loss"], single["task_loss"], rtol=1e-4)

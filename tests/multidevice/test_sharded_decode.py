@@ -80,13 +80,24 @@ def _pool_inputs(rng, n_blocks=6, dim=32):
     return k_packed, q, weights, ids, lengths
 
 
+def _half_of_the_options(parity: int):
+    """Half of the 2 × 2 × 2 option combinations ((k, score dtype), tie order, −inf picks):
+    those whose level indices sum to `parity` mod 2. Each half meets both levels of every
+    option, and every pair of levels of two options once; the two halves make the whole."""
+    combos = itertools.product(zip((5, 40), SCORE_DTYPES, strict=True), TIE_ORDERS, NEGINF_PICKS)
+    levels = itertools.product(range(2), repeat=3)
+    return [c for c, i in zip(combos, levels, strict=True) if sum(i) % 2 == parity]
+
+
+# Each mesh runs half of the combinations (each is a compilation of both programs), the meshes
+# alternating halves: every combination still runs on two meshes, at least one with data rows.
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 def test_sharded_pooled_topk_is_pooled_topk_bit_for_bit(mesh_name):
     mesh, axis, rows = _mesh(mesh_name)
     rng = np.random.default_rng(list(MESHES).index(mesh_name))
     seen = []
-    for (k, score_dtype), tie_order, neginf_picks in itertools.product(
-        zip((5, 40), SCORE_DTYPES, strict=True), TIE_ORDERS, NEGINF_PICKS
+    for (k, score_dtype), tie_order, neginf_picks in _half_of_the_options(
+        sorted(MESHES).index(mesh_name) % 2
     ):
         args = _pool_inputs(rng)
         options = dict(
