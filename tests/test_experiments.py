@@ -103,14 +103,13 @@ def test_study_options_reach_the_train_config():
 
 @pytest.mark.slow
 def test_block_score_ablation_smoke(tmp_path):
-    # Three of the four variants (each is a compilation; 'mean' is `ops.pool`'s, tested there),
-    # in the order asked, which is not the file's.
-    argv = ["--smoke", "--out-dir", str(tmp_path), "--variants", "top2", "max", "dense"]
+    # Two of the four variants, in the order asked, which is not the file's: the reference
+    # ('max', whose paired differences the tables print) and dense. Each is a compilation; the
+    # other reducers ('mean', 'top2') run the same script code and are `ops.pool`'s, tested there.
+    argv = ["--smoke", "--out-dir", str(tmp_path), "--variants", "dense", "max"]
     block_score_ablation.main(argv)
-    report = _check_report(
-        tmp_path, "block_score_ablation", ["top2", "max", "dense"], ["top2", "max"]
-    )
-    assert [r["variant"] for r in report["results"]] == ["top2", "max", "dense"]
+    report = _check_report(tmp_path, "block_score_ablation", ["dense", "max"], ["max"])
+    assert [r["variant"] for r in report["results"]] == ["dense", "max"]
 
 
 def test_pool_sizes_are_whole_blocks_of_the_source_positions():
