@@ -185,12 +185,11 @@ def test_init_from_starts_a_stage_from_the_weights_of_another_run(tmp_path):
     # A resumed stage continues from its own checkpoint, not from init_from again: it ends
     # where the stage run in one go ends (starting over from init_from at step 1 would not).
     train.run(stage2, tmp_path / "long", progress=False, resume=True)
-    _, done = train.load(tmp_path / "long")
-    assert any(not np.array_equal(start[p], v) for p, v in _params(done).items())
+    done = _params(train.load(tmp_path / "long")[1])
+    assert any(not np.array_equal(start[p], v) for p, v in done.items())
     train.run(stage2, tmp_path / "whole", progress=False)
-    _, whole = train.load(tmp_path / "whole")
-    for path, value in _params(whole).items():
-        np.testing.assert_array_equal(_params(done)[path], value, err_msg=str(path))
+    for path, value in _params(train.load(tmp_path / "whole")[1]).items():
+        np.testing.assert_array_equal(done[path], value, err_msg=str(path))
     # Another model shape: refused, naming the parameter; no run there: refused.
     wider = stage2.with_model(ffn_dim=64)
     with pytest.raises(ValueError, match=r"init_from: parameter .* expected float32\[.*64"):
