@@ -19,6 +19,7 @@
 #                                   # | keys_default (the fifteenth's) | keys_merge
 #                                   # (the sixteenth's) | merge_loop (the nineteenth's)
 #                                   # | decode_pairs (BEFORE=<commit>: two versions' decode steps)
+#                                   # | specialized_async (the twenty-fourth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -511,6 +512,16 @@ if [[ $stage == merge_loop ]]; then
   attention_check merge_loop 250 \
     "merge_loop_is_the_unrolled_merge or merge_in_the_kernel_equals and 2-" "${RUNS:-4}" 75 \
     --batches 64 128 --variants heads merge_loop
+fi
+if [[ $stage == specialized_async ]]; then
+  # The twenty-fourth session's: the warp-specialized kernel's producer stages the next top-k
+  # chunk's words (`TuningConfig(kernel='specialized', gather='async')`, bench label
+  # `specialized_async`). Its 18 GPU tests (the words staged, at the default and two splits),
+  # then RUNS (default 2) runs of the default beside `specialized` (words loaded when the
+  # producer starts a chunk, slower than the default on 2026-12-04) and `specialized_async`
+  # at batches 64 and 128. Guards 200 + RUNS x 90 s.
+  attention_check specialized_async 200 "specialized_kernel_matches and async" "${RUNS:-2}" 90 \
+    --batches 64 128 --variants specialized specialized_async
 fi
 if [[ $stage == decode_pairs ]]; then
   # Two versions of the decode step side by side (the twenty-first session's, run inline then):

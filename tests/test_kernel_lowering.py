@@ -326,6 +326,7 @@ ATTENTION_VARIANTS = {
     "no_topk_gather": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_gather"),
     "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
+    "specialized_async": kernel_mgpu.TuningConfig(kernel="specialized", gather="async"),
     "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
     "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3, merge="kernel"),
     "slots_in_xla": kernel_mgpu.TuningConfig(slots="xla"),

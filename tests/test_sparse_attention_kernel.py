@@ -158,12 +158,14 @@ def test_split_kv_matches_reference(splits):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (None, 2))
-def test_specialized_kernel_matches_reference_gpu(case, splits):
-    """The warp-specialized Mosaic GPU kernel (`TuningConfig(kernel='specialized')`), compiled:
-    the interpreter does not finish its three warpgroups on a 2-core CPU (2026-12-04: the two
-    consumers wait at their first barrier and the producer never runs), so it has no CPU
-    case."""
-    check_variant_compiled(kernel_mgpu.TuningConfig(kernel="specialized", splits=splits), case, 9)
+@pytest.mark.parametrize("gather", (None, "async"))
+def test_specialized_kernel_matches_reference_gpu(case, splits, gather):
+    """The warp-specialized Mosaic GPU kernel (`TuningConfig(kernel='specialized')`), its words
+    loaded or staged, compiled: the interpreter does not finish its three warpgroups on a
+    2-core CPU (2026-12-04: the two consumers wait at their first barrier and the producer
+    never runs), so it has no CPU case."""
+    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits, gather=gather)
+    check_variant_compiled(tuning, case, 9)
 
 
 def variant_cases(splits) -> tuple[str, ...]:
@@ -201,12 +203,16 @@ def check_variant_compiled(tuning, case, seed):
     np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize(("heads", "dim", "splits"), [(64, 512, None), (128, 512, 2), (3, 256, 4)])
-def test_specialized_kernel_lowers(heads, dim, splits):
+@pytest.mark.parametrize(
+    ("heads", "dim", "splits", "gather"),
+    [(64, 512, None, None), (128, 512, 2, None), (3, 256, 4, None), (64, 512, 1, "async")],
+)
+def test_specialized_kernel_lowers(heads, dim, splits, gather):
     """The warp-specialized kernel has no interpreted CPU case: at least its Pallas program
-    lowers for the H200 here (`pallas_kernels.lowering`), at the GPU tests' shapes."""
+    lowers for the H200 here (`pallas_kernels.lowering`), at the GPU tests' shapes, its words
+    loaded or staged (one split: the default shape of batch 128, 10 chunks per CTA)."""
     batch, n_kv, topk, window = 2, 4096, 512, 128
-    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits)
+    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits, gather=gather)
     attend = functools.partial(
         api.fp4_sparse_attention, implementation="pallas", config=api.Config(mgpu=tuning)
     )
@@ -529,8 +535,8 @@ def test_the_default_gather_resolves_per_kernel_and_split():
 def test_tuning_errors_name_the_option():
     with pytest.raises(ValueError, match="gather"):
         kernel_mgpu.TuningConfig(gather="tma")
-    with pytest.raises(ValueError, match="gather: 'async' only with kernel='exchange'"):
-        kernel_mgpu.TuningConfig(gather="async", kernel="specialized")
+    with pytest.raises(ValueError, match="gather: 'behind_pv' only with kernel='exchange'"):
+        kernel_mgpu.TuningConfig(gather="behind_pv", kernel="specialized")
     with pytest.raises(ValueError, match="gather: 'behind_pv' only with kernel='exchange'"):
         kernel_mgpu.TuningConfig(gather="behind_pv", kernel="pipelined")
     with pytest.raises(ValueError, match="prefetch=True"):

@@ -41,6 +41,7 @@ from v41jax.ops.attention import packed_sparse_attention, softmax_with_sink
 MGPU_VARIANTS = {
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "specialized_splits1": kernel_mgpu.TuningConfig(kernel="specialized", splits=1),
+    "specialized_async": kernel_mgpu.TuningConfig(kernel="specialized", gather="async"),
     "splits1": kernel_mgpu.TuningConfig(splits=1),
     "registers": kernel_mgpu.TuningConfig(kernel="exchange", gather="registers"),
     "async_gather": kernel_mgpu.TuningConfig(kernel="exchange", gather="async"),

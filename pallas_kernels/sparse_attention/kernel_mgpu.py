@@ -306,6 +306,8 @@ class TuningConfig:
         of 5 runs, and cost 0.5 to 1.0 µs at batch 64 (two splits of 5 chunks) in each of 5.
         None (the default): 'behind_pv' where the call runs one split, else 'registers'
         (`gather_for`); 'registers' under an ablation, whose leave-one-outs were measured so.
+        The specialized kernel takes 'registers' (its default) and 'async': its producer
+        stages the next top-k chunk's words while it waits for a free key tile.
       q_overlap: ('exchange' only) wait for q's copy into shared memory only before the first
         QK^T, so that the first chunk's gather and decode run while q arrives (64 KB per CTA
         at D = 512; when every CTA starts at once, the q of a batch of 128 is 8 MB, about
@@ -414,15 +416,15 @@ class TuningConfig:
             raise ValueError(f"ablation: only with kernel='exchange', got kernel={self.kernel!r}")
         if self.gather is not None and self.gather not in GATHERS:
             raise ValueError(f"gather: expected None or one of {GATHERS}, got {self.gather!r}")
-        pipelined_async = self.kernel == "pipelined" and self.gather == "async"
+        other_async = self.kernel in ("pipelined", "specialized") and self.gather == "async"
         if (
             self.gather not in (None, "registers")
-            and not pipelined_async
+            and not other_async
             and (self.kernel != "exchange" or self.prefetch or self.ablation is not None)
         ):
             raise ValueError(
                 f"gather: {self.gather!r} only with kernel='exchange' (or 'async' with "
-                f"kernel='pipelined'), prefetch=False and no ablation, got "
+                f"kernel='pipelined' or 'specialized'), prefetch=False and no ablation, got "
                 f"kernel={self.kernel!r}, prefetch={self.prefetch}, ablation={self.ablation!r}"
             )
         if self.q_overlap and self.kernel != "exchange":
@@ -1211,25 +1213,31 @@ def _specialized_kernel(
     full_barriers,
     empty_barriers,
     done_barrier,
-    p_smem=None,
-    *,
+    *optional,
     geometry: _Geometry,
     n_window_chunks: int,
     n_topk_chunks: int,
     splits: int,
     logit_scale: float,
     dequant: tuple[_Dequant, _Dequant],
+    gather: str,
     interpret: bool,
 ):
     """The warp-specialized kernel (`TuningConfig(kernel='specialized')`, slower than the
     default on the H200: `NOTES.md`): warpgroups 0 and 1 compute, warpgroup 2 gathers and
     decodes. k_smem holds two key tiles [2 slots, 2 halves of D, 64 keys, D/2];
-    chunk c lives in slot c % 2.
+    chunk c lives in slot c % 2. `optional`: the staged gather's words
+    (`_Geometry.staging_shape`, one row per half of D) with gather='async', then P's buffer
+    where interpreted.
 
     - The producer (warpgroup 2, `PRODUCER_REGISTERS`): per chunk, waits until both consumers
       released the slot (`empty_barriers`), gathers and decodes both halves of D into it and
       arrives on `full_barriers`: the decode of chunk c + 1 runs while the consumers compute
-      chunk c.
+      chunk c. With gather='registers' it loads a top-k chunk's words when it starts that
+      chunk and waits for them; with 'async' it copies the words of top-k chunk c + 1 into
+      the staging (`cp.async`) right after decoding chunk c, so their trip from HBM overlaps
+      its wait for the next free slot (the first top-k chunk's copies start before the
+      window's chunks).
     - Each consumer (warpgroup w, `CONSUMER_REGISTERS`): waits for the tile, S = Q·K^T over the
       full D (two wgmma 64×64×D/2; both consumers compute the same logits, twice the QK^T work
       of splitting D, but no exchange of partial logits, whose shared memory now holds the
@@ -1240,6 +1248,9 @@ def _specialized_kernel(
     half = geometry.half
     heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
     lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
+    staged = gather == "async"
+    staging = optional[0] if staged else None
+    p_smem = optional[-1] if interpret else None
     slots_bar = load_barriers.at[3 * wg + 1]
     plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem.at[wg], slots_bar)
 
@@ -1251,6 +1262,17 @@ def _specialized_kernel(
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_rows, win_rows = kv_ref.at[b], win_ref.at[b]
         plgpu.barrier_wait(slots_bar)
+
+        def stage(c):  # start the copies of top-k chunk c's words, both halves of D
+            for h, dq in enumerate(dequant):
+                dq.stage(kv_rows, chunk_slots(c), staging.at[h])
+
+        if staged:
+            first_topk = jnp.maximum(lo, n_window_chunks)
+
+            @pl.when(first_topk < hi)
+            def _():
+                stage(first_topk)
 
         def produce(c, _):
             slot = c % 2
@@ -1265,7 +1287,17 @@ def _specialized_kernel(
                     dq.window(win_rows, chunk_slots(c), k_smem.at[slot, h])
 
             @pl.when(c >= n_window_chunks)
-            def _():  # both halves' loads first: their latencies overlap
+            def _():
+                if staged:
+                    for h, dq in enumerate(dequant):
+                        dq.store_staged(staging.at[h], k_smem.at[slot, h], kv_rows, chunk_slots(c))
+
+                    @pl.when(c + 1 < hi)
+                    def _():  # each thread rereads only its own slots: no barrier first
+                        stage(c + 1)
+
+                    return
+                # Both halves' loads first: their latencies overlap.
                 raws = [dq.load(kv_rows, chunk_slots(c)) for dq in dequant]
                 for h, (dq, raw) in enumerate(zip(dequant, raws, strict=True)):
                     dq.store(raw, k_smem.at[slot, h], kv_rows, chunk_slots(c))
@@ -2032,7 +2064,8 @@ def fp4_sparse_attention_mgpu(
                 optional.append(plgpu.SMEM((2, BLOCK_HEADS), jnp.float32))
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
-        kernel = functools.partial(_specialized_kernel, dequant=dequant, **statics)
+        gather = config.gather_for(splits)
+        kernel = functools.partial(_specialized_kernel, dequant=dequant, gather=gather, **statics)
         warpgroups = 3
         middle = [
             plgpu.SMEM((2, 2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
@@ -2044,6 +2077,8 @@ def fp4_sparse_attention_mgpu(
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # empty: both consumers
             plgpu.Barrier(num_arrivals=2),  # done
         ]
+        if gather == "async":  # `_specialized_kernel`'s optional scratch
+            optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
     else:
         gather = config.gather_for(splits)
         kernel = functools.partial(
