@@ -516,12 +516,13 @@ fi
 if [[ $stage == specialized_async ]]; then
   # The twenty-fourth session's: the warp-specialized kernel's producer stages the next top-k
   # chunk's words (`TuningConfig(kernel='specialized', gather='async')`, bench label
-  # `specialized_async`). Its 18 GPU tests (the words staged, at the default and two splits),
+  # `specialized_async`), and its consumers split the keys (`qk='keys'`,
+  # `specialized_async_keys`). Their 36 GPU tests (9 cases at the default and two splits),
   # then RUNS (default 2) runs of the default beside `specialized` (words loaded when the
-  # producer starts a chunk, slower than the default on 2026-12-04) and `specialized_async`
-  # at batches 64 and 128. Guards 200 + RUNS x 90 s.
-  attention_check specialized_async 200 "specialized_kernel_matches and async" "${RUNS:-2}" 90 \
-    --batches 64 128 --variants specialized specialized_async
+  # producer starts a chunk, slower than the default on 2026-12-04) and the two new variants
+  # at batches 64 and 128. Guards 250 + RUNS x 120 s.
+  attention_check specialized_async 250 "specialized_kernel_matches and async" "${RUNS:-2}" 120 \
+    --batches 64 128 --variants specialized specialized_async specialized_async_keys
 fi
 if [[ $stage == decode_pairs ]]; then
   # Two versions of the decode step side by side (the twenty-first session's, run inline then):

@@ -327,6 +327,9 @@ ATTENTION_VARIANTS = {
     "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "specialized_async": kernel_mgpu.TuningConfig(kernel="specialized", gather="async"),
+    "specialized_async_keys": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys"
+    ),
     "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
     "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3, merge="kernel"),
     "slots_in_xla": kernel_mgpu.TuningConfig(slots="xla"),

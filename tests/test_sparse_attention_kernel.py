@@ -158,13 +158,14 @@ def test_split_kv_matches_reference(splits):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (None, 2))
-@pytest.mark.parametrize("gather", (None, "async"))
-def test_specialized_kernel_matches_reference_gpu(case, splits, gather):
+@pytest.mark.parametrize(("gather", "qk"), [(None, None), ("async", None), ("async", "keys")])
+def test_specialized_kernel_matches_reference_gpu(case, splits, gather, qk):
     """The warp-specialized Mosaic GPU kernel (`TuningConfig(kernel='specialized')`), its words
-    loaded or staged, compiled: the interpreter does not finish its three warpgroups on a
-    2-core CPU (2026-12-04: the two consumers wait at their first barrier and the producer
-    never runs), so it has no CPU case."""
-    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits, gather=gather)
+    loaded or staged, its consumers computing every logit or half the keys each, compiled: the
+    interpreter does not finish its three warpgroups on a 2-core CPU (2026-12-04: the two
+    consumers wait at their first barrier and the producer never runs), so it has no CPU
+    case."""
+    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits, gather=gather, qk=qk)
     check_variant_compiled(tuning, case, 9)
 
 
@@ -204,15 +205,23 @@ def check_variant_compiled(tuning, case, seed):
 
 
 @pytest.mark.parametrize(
-    ("heads", "dim", "splits", "gather"),
-    [(64, 512, None, None), (128, 512, 2, None), (3, 256, 4, None), (64, 512, 1, "async")],
+    ("heads", "dim", "splits", "gather", "qk"),
+    [
+        (64, 512, None, None, None),
+        (128, 512, 2, None, None),
+        (3, 256, 4, None, None),
+        (64, 512, 1, "async", None),
+        (64, 512, 1, "async", "keys"),
+        (3, 256, 2, None, "keys"),
+    ],
 )
-def test_specialized_kernel_lowers(heads, dim, splits, gather):
+def test_specialized_kernel_lowers(heads, dim, splits, gather, qk):
     """The warp-specialized kernel has no interpreted CPU case: at least its Pallas program
     lowers for the H200 here (`pallas_kernels.lowering`), at the GPU tests' shapes, its words
-    loaded or staged (one split: the default shape of batch 128, 10 chunks per CTA)."""
+    loaded or staged, its consumers splitting the keys or not (one split: the default shape
+    of batch 128, 10 chunks per CTA)."""
     batch, n_kv, topk, window = 2, 4096, 512, 128
-    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits, gather=gather)
+    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits, gather=gather, qk=qk)
     attend = functools.partial(
         api.fp4_sparse_attention, implementation="pallas", config=api.Config(mgpu=tuning)
     )
@@ -558,7 +567,8 @@ def test_tuning_errors_name_the_option():
     ):
         kernel_mgpu.TuningConfig(qk="dims")
     with pytest.raises(
-        ValueError, match="qk: 'keys' only with kernel='pipelined', got kernel='exchange'"
+        ValueError,
+        match="qk: 'keys' only with kernel='pipelined' or 'specialized', got kernel='exchange'",
     ):
         kernel_mgpu.TuningConfig(qk="keys", kernel="exchange")
     args = make_case(4, **CPU_CASES["ragged"])

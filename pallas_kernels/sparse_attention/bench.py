@@ -42,6 +42,9 @@ MGPU_VARIANTS = {
     "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
     "specialized_splits1": kernel_mgpu.TuningConfig(kernel="specialized", splits=1),
     "specialized_async": kernel_mgpu.TuningConfig(kernel="specialized", gather="async"),
+    "specialized_async_keys": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys"
+    ),
     "splits1": kernel_mgpu.TuningConfig(splits=1),
     "registers": kernel_mgpu.TuningConfig(kernel="exchange", gather="registers"),
     "async_gather": kernel_mgpu.TuningConfig(kernel="exchange", gather="async"),

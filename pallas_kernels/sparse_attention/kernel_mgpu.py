@@ -358,7 +358,8 @@ class TuningConfig:
         (four and three splits, registers) −0.5 and −0.7. At two splits merged in the kernel
         the row exchange goes through the merge's log-sum-exp stage, which lets batch 64 stage
         its words beside the P tile: −0.23 µs (−0.29 … −0.18) against 'heads' staged, two runs
-        on an H100 (seventeenth session).
+        on an H100 (seventeenth session). The specialized kernel's two consumers split the
+        keys the same way with qk='keys' (its default: 'heads', both computing every logit).
       ablation: a measurement aid ('exchange' only; wrong results). 'no_topk_rows' skips the
         gather and the decode of the top-k chunks, which then attend to whatever keys the
         tile last held (the window's chunks still run). 'no_topk_gather' decodes words made
@@ -394,8 +395,11 @@ class TuningConfig:
     def __post_init__(self):
         if self.qk not in (None, *QK_SPLITS):
             raise ValueError(f"qk: expected None or one of {QK_SPLITS}, got {self.qk!r}")
-        if self.qk == "keys" and self.kernel != "pipelined":
-            raise ValueError(f"qk: 'keys' only with kernel='pipelined', got kernel={self.kernel!r}")
+        if self.qk == "keys" and self.kernel not in ("pipelined", "specialized"):
+            raise ValueError(
+                f"qk: 'keys' only with kernel='pipelined' or 'specialized', got "
+                f"kernel={self.kernel!r}"
+            )
         if self.slots not in (None, *SLOT_SOURCES):
             raise ValueError(f"slots: expected None or one of {SLOT_SOURCES}, got {self.slots!r}")
         if self.slots == "kernel" and self.kernel != "pipelined":
@@ -1222,13 +1226,14 @@ def _specialized_kernel(
     dequant: tuple[_Dequant, _Dequant],
     gather: str,
     interpret: bool,
+    split_keys: bool = False,
 ):
     """The warp-specialized kernel (`TuningConfig(kernel='specialized')`, slower than the
     default on the H200: `NOTES.md`): warpgroups 0 and 1 compute, warpgroup 2 gathers and
     decodes. k_smem holds two key tiles [2 slots, 2 halves of D, 64 keys, D/2];
     chunk c lives in slot c % 2. `optional`: the staged gather's words
-    (`_Geometry.staging_shape`, one row per half of D) with gather='async', then P's buffer
-    where interpreted.
+    (`_Geometry.staging_shape`, one row per half of D) with gather='async'; the P tile, its
+    two barriers and the row exchange with `split_keys`; then P's buffer where interpreted.
 
     - The producer (warpgroup 2, `PRODUCER_REGISTERS`): per chunk, waits until both consumers
       released the slot (`empty_barriers`), gathers and decodes both halves of D into it and
@@ -1242,6 +1247,10 @@ def _specialized_kernel(
       full D (two wgmma 64×64×D/2; both consumers compute the same logits, twice the QK^T work
       of splitting D, but no exchange of partial logits, whose shared memory now holds the
       second tile), the online softmax, PV into its half of the output, releases the slot.
+      With `split_keys` (qk='keys'), consumer w computes the logits of keys [32w, 32w + 32)
+      only, and the two share the chunk's softmax as `_pipelined_kernel`'s split keys do
+      (`_split_keys_softmax`: the row maxima swapped, P written into one shared tile that
+      both PVs read): QK^T's tensor work is no longer done twice.
     """
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
     wg = lax.axis_index("wg")
@@ -1249,13 +1258,22 @@ def _specialized_kernel(
     heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
     lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
     staged = gather == "async"
-    staging = optional[0] if staged else None
-    p_smem = optional[-1] if interpret else None
-    slots_bar = load_barriers.at[3 * wg + 1]
-    plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem.at[wg], slots_bar)
+    optional = list(optional)
+    staging = optional.pop(0) if staged else None
+    if split_keys:  # the P tile, its barriers (maxima, P), the row exchange
+        p_tile, key_barriers, mx_smem = (optional.pop(0) for _ in range(3))
+    p_smem = optional.pop(0) if interpret else None
+    assert not optional, optional
+    # One copy of the slots, brought by consumer 0, read by all three warpgroups (a copy each
+    # took 5 KB more at top-512: what the staged words beside the split keys' P tile lacked).
+    slots_bar = load_barriers.at[1]
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
 
     def chunk_slots(chunk):
-        return slots_smem.at[wg, chunk]
+        return slots_smem.at[chunk]
 
     @pl.when(wg == 2)
     def _producer():
@@ -1317,8 +1335,12 @@ def _specialized_kernel(
         plgpu.barrier_wait(slots_bar)
         plgpu.barrier_wait(sink_bar)
         acc, m, denom = _open_softmax(sink_smem.at[wg], half, split)
+        if split_keys:  # the sink's term counted once, in consumer 0's share of the sums
+            denom = denom * jnp.where(wg == 0, 1.0, 0.0)
         for other in range(2):  # QK^T reads both halves of q
             plgpu.barrier_wait(load_barriers.at[3 * other])
+        keys = pl.ds(pl.multiple_of(wg * HALF_KV, HALF_KV), HALF_KV) if split_keys else slice(None)
+        n_keys = HALF_KV if split_keys else BLOCK_KV
 
         def step(c, carry):
             acc, m, denom = carry
@@ -1328,10 +1350,35 @@ def _specialized_kernel(
 
             def qk(s_ref):
                 for h in range(2):
-                    plgpu.wgmma(s_ref, q_smem.at[h], tile.at[h].T)
+                    plgpu.wgmma(s_ref, q_smem.at[h], tile.at[h, keys].T)
                 return s_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_HEADS, BLOCK_KV), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_HEADS, n_keys), jnp.float32))
+            if split_keys:
+                acc, m, denom = _split_keys_softmax(
+                    s,
+                    chunk_slots(c),
+                    acc,
+                    m,
+                    denom,
+                    logit_scale,
+                    mx_smem,
+                    key_barriers.at[0],
+                    p_tile,
+                    interpret,
+                )
+                plgpu.barrier_arrive(key_barriers.at[1])  # both halves of P written
+                plgpu.barrier_wait(key_barriers.at[1])
+                if interpret:
+                    acc = acc + _pv_fresh(p_tile, tile.at[wg], acc.shape)
+                else:
+
+                    def pv_shared(acc_ref):  # P from the shared tile
+                        plgpu.wgmma(acc_ref, p_tile, tile.at[wg])
+
+                    acc = pl.run_state(pv_shared)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(empty_barriers.at[slot])
+                return acc, m, denom
             p16, acc, m, denom = _softmax_step(s, chunk_slots(c), acc, m, denom, logit_scale)
             if interpret:
                 acc = _pv_in_interpreter(acc, p16, p_smem.at[wg], tile.at[wg])
@@ -1345,6 +1392,8 @@ def _specialized_kernel(
             return acc, m, denom
 
         acc, m, denom = lax.fori_loop(lo, hi, step, (acc, m, denom))
+        if split_keys:  # both consumers' shares (a + b == b + a: the same sums in both)
+            denom = denom + _exchange_rows(denom, mx_smem, key_barriers.at[0])
         # Once both consumers are done, no wgmma reads q: its buffer takes the output.
         plgpu.barrier_arrive(done_barrier)
         plgpu.barrier_wait(done_barrier)
@@ -2017,7 +2066,7 @@ def fp4_sparse_attention_mgpu(
     )
     # Shared memory (D = 512, 10 chunks): q 64 KB, then keys 128 KB (two tiles: the
     # specialized and the pipelined kernel) or keys 64 KB and the logit exchange 64 KB (the
-    # first kernel), the slots 7.5 KB (specialized: one copy per warpgroup) or 2.5 KB; the
+    # first kernel), the slots 2.5 KB (one copy all warpgroups read); the
     # staged gather's words 18 KB (gather='async'); the split keys' P tile 8 KB (qk='keys').
     optional = []  # scratch after the barriers, before P's buffer in the interpreter
     # The interpreter runs a cluster's barrier waits on XLA's CPU runtime threads (two on a
@@ -2065,11 +2114,14 @@ def fp4_sparse_attention_mgpu(
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         gather = config.gather_for(splits)
-        kernel = functools.partial(_specialized_kernel, dequant=dequant, gather=gather, **statics)
+        split_keys = config.qk == "keys"
+        kernel = functools.partial(
+            _specialized_kernel, dequant=dequant, gather=gather, split_keys=split_keys, **statics
+        )
         warpgroups = 3
         middle = [
             plgpu.SMEM((2, 2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
-            plgpu.SMEM((3, n_chunks, BLOCK_KV), jnp.int32),
+            plgpu.SMEM((n_chunks, BLOCK_KV), jnp.int32),  # all three warpgroups read one copy
         ]
         barriers = [
             plgpu.Barrier(num_barriers=9),
@@ -2077,8 +2129,16 @@ def fp4_sparse_attention_mgpu(
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # empty: both consumers
             plgpu.Barrier(num_arrivals=2),  # done
         ]
-        if gather == "async":  # `_specialized_kernel`'s optional scratch
+        if gather == "async":  # `_specialized_kernel`'s optional scratch, first
             optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
+        if split_keys:  # then the P tile (plain where interpreted), its barriers, the rows
+            optional += [
+                plgpu.SMEM(
+                    (BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=() if interpret else _TILE
+                ),
+                plgpu.Barrier(num_arrivals=2, num_barriers=2),  # the maxima, P: both consumers
+                plgpu.SMEM((2, BLOCK_HEADS), jnp.float32),
+            ]
     else:
         gather = config.gather_for(splits)
         kernel = functools.partial(
