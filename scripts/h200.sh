@@ -19,7 +19,7 @@
 #                                   # | keys_default (the fifteenth's) | keys_merge
 #                                   # (the sixteenth's) | merge_loop (the nineteenth's)
 #                                   # | decode_pairs (BEFORE=<commit>: two versions' decode steps)
-#                                   # | specialized_async (the twenty-fourth's)
+#                                   # | specialized_async | two_producers (the twenty-fourth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -523,6 +523,14 @@ if [[ $stage == specialized_async ]]; then
   # at batches 64 and 128. Guards 250 + RUNS x 120 s.
   attention_check specialized_async 250 "specialized_kernel_matches and async" "${RUNS:-2}" 120 \
     --batches 64 128 --variants specialized specialized_async specialized_async_keys
+fi
+if [[ $stage == two_producers ]]; then
+  # The twenty-fourth session's second: two producer warpgroups (`producers=2`, four
+  # warpgroups: each producer decodes one half of D), the staged words and the split keys
+  # (bench label `specialized_two_producers`). Its 16 GPU tests, then RUNS (default 2) runs
+  # of the default beside `specialized_async_keys` (one producer). Guards 150 + RUNS x 100 s.
+  attention_check two_producers 150 "specialized_kernel_matches and keys-2" "${RUNS:-2}" 100 \
+    --batches 64 128 --variants specialized_async_keys specialized_two_producers
 fi
 if [[ $stage == decode_pairs ]]; then
   # Two versions of the decode step side by side (the twenty-first session's, run inline then):

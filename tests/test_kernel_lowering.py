@@ -330,6 +330,9 @@ ATTENTION_VARIANTS = {
     "specialized_async_keys": kernel_mgpu.TuningConfig(
         kernel="specialized", gather="async", qk="keys"
     ),
+    "specialized_two_producers": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys", producers=2
+    ),
     "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
     "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3, merge="kernel"),
     "slots_in_xla": kernel_mgpu.TuningConfig(slots="xla"),

@@ -158,14 +158,19 @@ def test_split_kv_matches_reference(splits):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (None, 2))
-@pytest.mark.parametrize(("gather", "qk"), [(None, None), ("async", None), ("async", "keys")])
-def test_specialized_kernel_matches_reference_gpu(case, splits, gather, qk):
+@pytest.mark.parametrize(
+    ("gather", "qk", "producers"),
+    [(None, None, 1), ("async", None, 1), ("async", "keys", 1), ("async", "keys", 2)],
+)
+def test_specialized_kernel_matches_reference_gpu(case, splits, gather, qk, producers):
     """The warp-specialized Mosaic GPU kernel (`TuningConfig(kernel='specialized')`), its words
-    loaded or staged, its consumers computing every logit or half the keys each, compiled: the
-    interpreter does not finish its three warpgroups on a 2-core CPU (2026-12-04: the two
-    consumers wait at their first barrier and the producer never runs), so it has no CPU
-    case."""
-    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits, gather=gather, qk=qk)
+    loaded or staged, its consumers computing every logit or half the keys each, one producer
+    or two, compiled: the interpreter does not finish its three warpgroups on a 2-core CPU
+    (2026-12-04: the two consumers wait at their first barrier and the producer never runs),
+    so it has no CPU case."""
+    tuning = kernel_mgpu.TuningConfig(
+        kernel="specialized", splits=splits, gather=gather, qk=qk, producers=producers
+    )
     check_variant_compiled(tuning, case, 9)
 
 
@@ -215,13 +220,16 @@ def check_variant_compiled(tuning, case, seed):
         (3, 256, 2, None, "keys"),
     ],
 )
-def test_specialized_kernel_lowers(heads, dim, splits, gather, qk):
+@pytest.mark.parametrize("producers", (1, 2))
+def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers):
     """The warp-specialized kernel has no interpreted CPU case: at least its Pallas program
     lowers for the H200 here (`pallas_kernels.lowering`), at the GPU tests' shapes, its words
     loaded or staged, its consumers splitting the keys or not (one split: the default shape
     of batch 128, 10 chunks per CTA)."""
     batch, n_kv, topk, window = 2, 4096, 512, 128
-    tuning = kernel_mgpu.TuningConfig(kernel="specialized", splits=splits, gather=gather, qk=qk)
+    tuning = kernel_mgpu.TuningConfig(
+        kernel="specialized", splits=splits, gather=gather, qk=qk, producers=producers
+    )
     attend = functools.partial(
         api.fp4_sparse_attention, implementation="pallas", config=api.Config(mgpu=tuning)
     )
@@ -562,6 +570,10 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(kernel="fused")
     with pytest.raises(ValueError, match="ablation"):
         kernel_mgpu.TuningConfig(ablation="no_window")
+    with pytest.raises(ValueError, match="producers: expected 1 or 2, got 3"):
+        kernel_mgpu.TuningConfig(kernel="specialized", producers=3)
+    with pytest.raises(ValueError, match="producers: 2 only with kernel='specialized'"):
+        kernel_mgpu.TuningConfig(producers=2)
     with pytest.raises(
         ValueError, match=r"qk: expected None or one of \('heads', 'keys'\), got 'dims'"
     ):

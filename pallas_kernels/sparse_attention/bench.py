@@ -45,6 +45,9 @@ MGPU_VARIANTS = {
     "specialized_async_keys": kernel_mgpu.TuningConfig(
         kernel="specialized", gather="async", qk="keys"
     ),
+    "specialized_two_producers": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys", producers=2
+    ),
     "splits1": kernel_mgpu.TuningConfig(splits=1),
     "registers": kernel_mgpu.TuningConfig(kernel="exchange", gather="registers"),
     "async_gather": kernel_mgpu.TuningConfig(kernel="exchange", gather="async"),

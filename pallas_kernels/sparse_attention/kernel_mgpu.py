@@ -378,6 +378,8 @@ class TuningConfig:
         bits (`test_the_merge_loop_is_the_unrolled_merge_bit_for_bit_gpu`), faster at batch 64
         in each of four paired runs on an H100 by 0.20 µs of 28.68 (NOTES.md; `bench.py
         --variants merge_unrolled` times the unrolled merge).
+      producers: ('specialized' only) its producer warpgroups: 1 decodes both halves of D of
+        every chunk; 2 decode one half each (four warpgroups, `SPECIALIZED_REGISTERS`).
     """
 
     dequant: str = "ptx"
@@ -391,8 +393,15 @@ class TuningConfig:
     qk: str | None = None
     ablation: str | None = None
     merge_columns: int | None = MERGE_TILE
+    producers: int = 1
 
     def __post_init__(self):
+        if self.producers not in (1, 2):
+            raise ValueError(f"producers: expected 1 or 2, got {self.producers!r}")
+        if self.producers == 2 and self.kernel != "specialized":
+            raise ValueError(
+                f"producers: 2 only with kernel='specialized', got kernel={self.kernel!r}"
+            )
         if self.qk not in (None, *QK_SPLITS):
             raise ValueError(f"qk: expected None or one of {QK_SPLITS}, got {self.qk!r}")
         if self.qk == "keys" and self.kernel not in ("pipelined", "specialized"):
@@ -1194,10 +1203,11 @@ def _merge_splits(
         plgpu.wait_smem_to_gmem(0)
 
 
-CONSUMER_REGISTERS = 224
-PRODUCER_REGISTERS = 56
-"""Per-thread registers of the warp-specialized kernel's roles (`setmaxnreg`): 2 · 224 + 56 =
-504 of the 512 per lane that 65,536 registers give three warpgroups."""
+SPECIALIZED_REGISTERS = {1: (224, 56), 2: (184, 72)}
+"""Per-thread registers (consumers, producers) of the warp-specialized kernel's roles
+(`setmaxnreg`) by its number of producer warpgroups: 2 · 224 + 56 = 504 of the 512 per lane
+that 65,536 registers give three warpgroups; 2 · 184 + 2 · 72 = 512 of four warpgroups'
+512 (128 each)."""
 
 
 def _specialized_kernel(
@@ -1227,6 +1237,7 @@ def _specialized_kernel(
     gather: str,
     interpret: bool,
     split_keys: bool = False,
+    producers: int = 1,
 ):
     """The warp-specialized kernel (`TuningConfig(kernel='specialized')`, slower than the
     default on the H200: `NOTES.md`): warpgroups 0 and 1 compute, warpgroup 2 gathers and
@@ -1235,15 +1246,16 @@ def _specialized_kernel(
     (`_Geometry.staging_shape`, one row per half of D) with gather='async'; the P tile, its
     two barriers and the row exchange with `split_keys`; then P's buffer where interpreted.
 
-    - The producer (warpgroup 2, `PRODUCER_REGISTERS`): per chunk, waits until both consumers
-      released the slot (`empty_barriers`), gathers and decodes both halves of D into it and
-      arrives on `full_barriers`: the decode of chunk c + 1 runs while the consumers compute
-      chunk c. With gather='registers' it loads a top-k chunk's words when it starts that
-      chunk and waits for them; with 'async' it copies the words of top-k chunk c + 1 into
-      the staging (`cp.async`) right after decoding chunk c, so their trip from HBM overlaps
-      its wait for the next free slot (the first top-k chunk's copies start before the
-      window's chunks).
-    - Each consumer (warpgroup w, `CONSUMER_REGISTERS`): waits for the tile, S = Q·K^T over the
+    - The producer (warpgroup 2; `SPECIALIZED_REGISTERS`): per chunk, waits until both
+      consumers released the slot (`empty_barriers`), gathers and decodes both halves of D
+      into it and arrives on `full_barriers`: the decode of chunk c + 1 runs while the
+      consumers compute chunk c. With `producers=2`, warpgroups 2 and 3 each do so for one
+      half of D, and a tile is full once both arrived. With gather='registers' a producer
+      loads a top-k chunk's words when it starts that chunk and waits for them; with 'async'
+      it copies the words of top-k chunk c + 1 into the staging (`cp.async`) right after
+      decoding chunk c, so their trip from HBM overlaps its wait for the next free slot (the
+      first top-k chunk's copies start before the window's chunks).
+    - Each consumer (warpgroup w < 2): waits for the tile, S = Q·K^T over the
       full D (two wgmma 64×64×D/2; both consumers compute the same logits, twice the QK^T work
       of splitting D, but no exchange of partial logits, whose shared memory now holds the
       second tile), the online softmax, PV into its half of the output, releases the slot.
@@ -1257,6 +1269,7 @@ def _specialized_kernel(
     half = geometry.half
     heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
     lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
+    consumer_registers, producer_registers = SPECIALIZED_REGISTERS[producers]
     staged = gather == "async"
     optional = list(optional)
     staging = optional.pop(0) if staged else None
@@ -1275,14 +1288,16 @@ def _specialized_kernel(
     def chunk_slots(chunk):
         return slots_smem.at[chunk]
 
-    @pl.when(wg == 2)
-    def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    def producer(halves: tuple[int, ...]):
+        """Gathers and decodes `halves` of D of every chunk (both for one producer, its own
+        for each of two)."""
+        plgpu.set_max_registers(producer_registers, action="decrease")
         kv_rows, win_rows = kv_ref.at[b], win_ref.at[b]
         plgpu.barrier_wait(slots_bar)
+        mine = [(h, dequant[h]) for h in halves]
 
-        def stage(c):  # start the copies of top-k chunk c's words, both halves of D
-            for h, dq in enumerate(dequant):
+        def stage(c):  # start the copies of top-k chunk c's words, this producer's halves
+            for h, dq in mine:
                 dq.stage(kv_rows, chunk_slots(c), staging.at[h])
 
         if staged:
@@ -1301,13 +1316,13 @@ def _specialized_kernel(
 
             @pl.when(c < n_window_chunks)
             def _():
-                for h, dq in enumerate(dequant):
+                for h, dq in mine:
                     dq.window(win_rows, chunk_slots(c), k_smem.at[slot, h])
 
             @pl.when(c >= n_window_chunks)
             def _():
                 if staged:
-                    for h, dq in enumerate(dequant):
+                    for h, dq in mine:
                         dq.store_staged(staging.at[h], k_smem.at[slot, h], kv_rows, chunk_slots(c))
 
                     @pl.when(c + 1 < hi)
@@ -1315,9 +1330,9 @@ def _specialized_kernel(
                         stage(c + 1)
 
                     return
-                # Both halves' loads first: their latencies overlap.
-                raws = [dq.load(kv_rows, chunk_slots(c)) for dq in dequant]
-                for h, (dq, raw) in enumerate(zip(dequant, raws, strict=True)):
+                # All halves' loads first: their latencies overlap.
+                raws = [dq.load(kv_rows, chunk_slots(c)) for _, dq in mine]
+                for (h, dq), raw in zip(mine, raws, strict=True):
                     dq.store(raw, k_smem.at[slot, h], kv_rows, chunk_slots(c))
 
             plgpu.commit_smem()  # the wgmma reads what ordinary stores wrote
@@ -1326,9 +1341,12 @@ def _specialized_kernel(
 
         lax.fori_loop(lo, hi, produce, None)
 
+    for p in range(producers):  # warpgroup 2 + p; one producer decodes both halves
+        pl.when(wg == 2 + p)(functools.partial(producer, (0, 1) if producers == 1 else (p,)))
+
     @pl.when(wg < 2)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
         plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
         plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
@@ -2116,16 +2134,21 @@ def fp4_sparse_attention_mgpu(
         gather = config.gather_for(splits)
         split_keys = config.qk == "keys"
         kernel = functools.partial(
-            _specialized_kernel, dequant=dequant, gather=gather, split_keys=split_keys, **statics
+            _specialized_kernel,
+            dequant=dequant,
+            gather=gather,
+            split_keys=split_keys,
+            producers=config.producers,
+            **statics,
         )
-        warpgroups = 3
+        warpgroups = 2 + config.producers
         middle = [
             plgpu.SMEM((2, 2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
             plgpu.SMEM((n_chunks, BLOCK_KV), jnp.int32),  # all three warpgroups read one copy
         ]
         barriers = [
             plgpu.Barrier(num_barriers=9),
-            plgpu.Barrier(num_barriers=2),  # full: the producer's 128 threads arrive
+            plgpu.Barrier(num_arrivals=config.producers, num_barriers=2),  # full: each producer
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # empty: both consumers
             plgpu.Barrier(num_arrivals=2),  # done
         ]
