@@ -29,9 +29,10 @@ warpgroup decodes its half of D of a chunk (its words loaded behind the previous
 split, `gather='behind_pv'`, else at the chunk's start, `gather='registers'`; `prefetch` and
 `gather='async'` are other gathers), computes a partial QK^T over that half, and the two
 partial logit tiles are summed through shared memory; then the softmax and PV, all one after
-another. `TuningConfig(kernel='specialized')` is a warp-specialized variant (a producer
-warpgroup decodes into two key tiles while two consumers each compute QK^T over the full D):
-correct, but slower on the H200 (`NOTES.md`).
+another. `TuningConfig(kernel='specialized')` is a warp-specialized variant (one or two producer
+warpgroups decode into two key tiles while two consumers compute QK^T over the full D, or
+over half the keys each with qk='keys'): correct, but slower on the H200 and on an H100, its
+words staged or not (`NOTES.md`).
 
 When the batch alone leaves SMs idle, each (query, head group) is split over up to 4 CTAs, each
 taking a contiguous share of the chunks (split-KV); their bf16 partial outputs and log2-sum-exps
@@ -1277,8 +1278,8 @@ def _specialized_kernel(
         p_tile, key_barriers, mx_smem = (optional.pop(0) for _ in range(3))
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
-    # One copy of the slots, brought by consumer 0, read by all three warpgroups (a copy each
-    # took 5 KB more at top-512: what the staged words beside the split keys' P tile lacked).
+    # One copy of the slots, brought by consumer 0, read by every warpgroup (a copy each took
+    # 5 KB more at top-512: what the staged words beside the split keys' P tile lacked).
     slots_bar = load_barriers.at[1]
 
     @pl.when(wg == 0)
@@ -2144,10 +2145,10 @@ def fp4_sparse_attention_mgpu(
         warpgroups = 2 + config.producers
         middle = [
             plgpu.SMEM((2, 2, BLOCK_KV, half), jnp.bfloat16, transforms=_TILE),
-            plgpu.SMEM((n_chunks, BLOCK_KV), jnp.int32),  # all three warpgroups read one copy
+            plgpu.SMEM((n_chunks, BLOCK_KV), jnp.int32),  # every warpgroup reads one copy
         ]
         barriers = [
-            plgpu.Barrier(num_barriers=9),
+            plgpu.Barrier(num_barriers=6),  # consumer w's q (3w) and sink (3w + 2); slots (1)
             plgpu.Barrier(num_arrivals=config.producers, num_barriers=2),  # full: each producer
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # empty: both consumers
             plgpu.Barrier(num_arrivals=2),  # done
