@@ -348,7 +348,7 @@ class TuningConfig:
         'heads': each computes the logits of all 64 keys over the full D, the same logits
         twice (1.5 times the exchange kernel's tensor work per chunk), and keeps P in
         registers for its PV.
-        'keys' (`_split_keys_softmax`, fifteenth session): warpgroup w computes the logits of
+        'keys' (`_SplitKeys.softmax`, fifteenth session): warpgroup w computes the logits of
         keys [32w, 32w + 32) only (a wgmma 64×32 per half of D: the tensor work of QK^T
         halved), the two swap their row maxima through shared memory, each writes its half
         of P (bf16) into a shared [64, 64] tile, and both run PV from that tile after a second
@@ -1021,36 +1021,50 @@ def _store_p_half(ctx, p, dst):
         mgpu_utils.inline_ptx("st.shared.b32 [$0], $1;", address, word, has_side_effects=True)
 
 
-def _split_keys_softmax(
-    s, slots_ref, acc, m, denom, logit_scale: float, mx_smem, mx_barrier, p_tile, interpret
-):
-    """`_softmax_step` for qk='keys': `s` [64 heads, 32 keys] holds this warpgroup's keys
-    [32·wg, 32·wg + 32) only. The two warpgroups swap their new row maxima through `mx_smem`
-    [2, 64] (max is exact and commutes: both get the same m), then each writes its half of P
-    into `p_tile` [64, 64] and fences it for the wgmmas; the caller's barrier makes both
-    halves visible before PV. `denom` is this warpgroup's own share of the row sums (its keys;
-    the sink in warpgroup 0's), summed across the two at the end (`_exchange_rows`)."""
-    wg = lax.axis_index("wg")
-    p16, acc, m_new, denom = _softmax_step(
-        s,
-        slots_ref.at[pl.ds(wg * HALF_KV, HALF_KV)],
-        acc,
-        m,
-        denom,
-        logit_scale,
-        peer_max=lambda m_own: _exchange_rows(m_own, mx_smem, mx_barrier),
-    )
-    if interpret:  # a plain buffer there: the interpreter slices it
-        for w in range(2):
+@dataclasses.dataclass(frozen=True)
+class _SplitKeys:
+    """The shared memory of qk='keys' (two warpgroups, 32 keys each): `p_tile` [64, 64] bf16,
+    `barriers` [2] (the row maxima, then P: both warpgroups arrive) and `rows` [2, 64] f32
+    (the row exchange, `_exchange_rows`)."""
 
-            @pl.when(wg == w)
-            def _(w=w):
-                p_tile.at[:, pl.ds(w * HALF_KV, HALF_KV)][...] = p16
+    p_tile: object
+    barriers: object
+    rows: object
 
-    else:
-        _store_p_half(p16, p_tile)
-    plgpu.commit_smem()  # ordinary stores, read by the wgmmas (the async proxy)
-    return acc, m_new, denom
+    def softmax(self, s, slots_ref, acc, m, denom, logit_scale: float, interpret: bool):
+        """`_softmax_step` for qk='keys': `s` [64 heads, 32 keys] holds this warpgroup's keys
+        [32·wg, 32·wg + 32) only. The two warpgroups swap their new row maxima (max is exact
+        and commutes: both get the same m), each writes its half of P into `p_tile` and fences
+        it for the wgmmas, and both meet at the P barrier: on return both halves are there
+        for PV. `denom` is this warpgroup's own share of the row sums (its keys; the sink in
+        warpgroup 0's), summed across the two at the end (`sum_rows`)."""
+        wg = lax.axis_index("wg")
+        p16, acc, m_new, denom = _softmax_step(
+            s,
+            slots_ref.at[pl.ds(wg * HALF_KV, HALF_KV)],
+            acc,
+            m,
+            denom,
+            logit_scale,
+            peer_max=lambda m_own: _exchange_rows(m_own, self.rows, self.barriers.at[0]),
+        )
+        if interpret:  # a plain buffer there: the interpreter slices it
+            for w in range(2):
+
+                @pl.when(wg == w)
+                def _(w=w):
+                    self.p_tile.at[:, pl.ds(w * HALF_KV, HALF_KV)][...] = p16
+
+        else:
+            _store_p_half(p16, self.p_tile)
+        plgpu.commit_smem()  # ordinary stores, read by the wgmmas (the async proxy)
+        plgpu.barrier_arrive(self.barriers.at[1])  # both halves of P written
+        plgpu.barrier_wait(self.barriers.at[1])
+        return acc, m_new, denom
+
+    def sum_rows(self, denom):
+        """Both warpgroups' shares of the row sums (a + b == b + a: the same sums in both)."""
+        return denom + _exchange_rows(denom, self.rows, self.barriers.at[0])
 
 
 def _exchange_rows(x, mx_smem, mx_barrier):
@@ -1262,7 +1276,7 @@ def _specialized_kernel(
       second tile), the online softmax, PV into its half of the output, releases the slot.
       With `split_keys` (qk='keys'), consumer w computes the logits of keys [32w, 32w + 32)
       only, and the two share the chunk's softmax as `_pipelined_kernel`'s split keys do
-      (`_split_keys_softmax`: the row maxima swapped, P written into one shared tile that
+      (`_SplitKeys.softmax`: the row maxima swapped, P written into one shared tile that
       both PVs read): QK^T's tensor work is no longer done twice.
     """
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
@@ -1275,7 +1289,7 @@ def _specialized_kernel(
     optional = list(optional)
     staging = optional.pop(0) if staged else None
     if split_keys:  # the P tile, its barriers (maxima, P), the row exchange
-        p_tile, key_barriers, mx_smem = (optional.pop(0) for _ in range(3))
+        shared = _SplitKeys(*(optional.pop(0) for _ in range(3)))
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     # One copy of the slots, brought by consumer 0, read by every warpgroup (a copy each took
@@ -1374,26 +1388,15 @@ def _specialized_kernel(
 
             s = pl.run_scoped(qk, plgpu.ACC((BLOCK_HEADS, n_keys), jnp.float32))
             if split_keys:
-                acc, m, denom = _split_keys_softmax(
-                    s,
-                    chunk_slots(c),
-                    acc,
-                    m,
-                    denom,
-                    logit_scale,
-                    mx_smem,
-                    key_barriers.at[0],
-                    p_tile,
-                    interpret,
+                acc, m, denom = shared.softmax(
+                    s, chunk_slots(c), acc, m, denom, logit_scale, interpret
                 )
-                plgpu.barrier_arrive(key_barriers.at[1])  # both halves of P written
-                plgpu.barrier_wait(key_barriers.at[1])
                 if interpret:
-                    acc = acc + _pv_fresh(p_tile, tile.at[wg], acc.shape)
+                    acc = acc + _pv_fresh(shared.p_tile, tile.at[wg], acc.shape)
                 else:
 
                     def pv_shared(acc_ref):  # P from the shared tile
-                        plgpu.wgmma(acc_ref, p_tile, tile.at[wg])
+                        plgpu.wgmma(acc_ref, shared.p_tile, tile.at[wg])
 
                     acc = pl.run_state(pv_shared)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(empty_barriers.at[slot])
@@ -1411,8 +1414,8 @@ def _specialized_kernel(
             return acc, m, denom
 
         acc, m, denom = lax.fori_loop(lo, hi, step, (acc, m, denom))
-        if split_keys:  # both consumers' shares (a + b == b + a: the same sums in both)
-            denom = denom + _exchange_rows(denom, mx_smem, key_barriers.at[0])
+        if split_keys:  # both consumers' shares of the row sums
+            denom = shared.sum_rows(denom)
         # Once both consumers are done, no wgmma reads q: its buffer takes the output.
         plgpu.barrier_arrive(done_barrier)
         plgpu.barrier_wait(done_barrier)
@@ -1753,8 +1756,8 @@ def _pipelined_kernel(
 
     With `split_keys` (`TuningConfig.qk='keys'`), step 2 computes the logits of this
     warpgroup's 32 keys only (two wgmma 64×32×D/2), and step 3 swaps the row maxima and
-    writes P into a shared tile (`_split_keys_softmax`), then meets the other warpgroup at
-    `key_barriers[1]` before PV reads P from there: the P tile is rewritten only after both
+    writes P into a shared tile (`_SplitKeys.softmax`), then meets the other warpgroup at
+    its P barrier before PV reads P from there: the P tile is rewritten only after both
     passed the next chunk's maxima barrier, i.e. after both PVs of this chunk were awaited."""
     final_ref, *refs = refs if merge else (None, *refs)
     q_smem, k_smem, slots_smem, sink_smem, lse_smem, load_barriers, full_barriers, *optional = refs
@@ -1765,7 +1768,8 @@ def _pipelined_kernel(
         # Merging in the kernel, the rows are swapped through the merge's log-sum-exp stage:
         # it is written (by a bulk copy) only after the cluster barrier, which both warpgroups
         # pass after their last exchange (512 bytes: what batch 64 lacked for its staging).
-        mx_smem = merge_scratch[0].at[pl.ds(0, 2)] if merge else optional.pop(0)
+        rows = merge_scratch[0].at[pl.ds(0, 2)] if merge else optional.pop(0)
+        shared = _SplitKeys(p_tile, key_barriers, rows)
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
@@ -1841,20 +1845,7 @@ def _pipelined_kernel(
                 decode(c + 1, raw_next)
 
         if split_keys:
-            acc, m, denom = _split_keys_softmax(
-                s,
-                chunk_slots(c),
-                acc,
-                m,
-                denom,
-                logit_scale,
-                mx_smem,
-                key_barriers.at[0],
-                p_tile,
-                interpret,
-            )
-            plgpu.barrier_arrive(key_barriers.at[1])  # both halves of P written
-            plgpu.barrier_wait(key_barriers.at[1])
+            acc, m, denom = shared.softmax(s, chunk_slots(c), acc, m, denom, logit_scale, interpret)
             if interpret:  # no `run_state` there: a fresh product, added
                 acc = acc + _pv_fresh(p_tile, tile.at[wg], acc.shape)
                 decode_next()
@@ -1882,8 +1873,8 @@ def _pipelined_kernel(
     if split_keys:  # the sink's term counted once, in warpgroup 0's share of the sums
         denom = denom * jnp.where(wg == 0, 1.0, 0.0)  # a −inf sink's 0 stays 0, a NaN NaN
     acc, m, denom = lax.fori_loop(lo, hi, step, (acc, m, denom))
-    if split_keys:  # both warpgroups' shares (a + b == b + a: the same sums in both)
-        denom = denom + _exchange_rows(denom, mx_smem, key_barriers.at[0])
+    if split_keys:  # both warpgroups' shares of the row sums
+        denom = shared.sum_rows(denom)
         if merge:  # the exchange's stores, before a bulk copy rewrites them (`lse_stage`)
             plgpu.commit_smem()
     _write_output(
