@@ -517,7 +517,7 @@ if [[ $stage == specialized_async ]]; then
   # The twenty-fourth session's: the warp-specialized kernel's producer stages the next top-k
   # chunk's words (`TuningConfig(kernel='specialized', gather='async')`, bench label
   # `specialized_async`), and its consumers split the keys (`qk='keys'`,
-  # `specialized_async_keys`). Their 36 GPU tests (9 cases at the default and two splits),
+  # `specialized_async_keys`). Their 32 GPU tests (8 cases at the default and two splits),
   # then RUNS (default 2) runs of the default beside `specialized` (words loaded when the
   # producer starts a chunk, slower than the default on 2026-12-04) and the two new variants
   # at batches 64 and 128. Guards 250 + RUNS x 120 s.
