@@ -15,13 +15,10 @@ import argparse
 import dataclasses
 import itertools
 import json
-import os
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
 import numpy as np
 from scipy import stats
 
@@ -29,6 +26,7 @@ from v41jax import train
 from v41jax.cli import name_value  # NAME=VALUE, as `v41jax train --task-set`
 from v41jax.nn import config as config_lib
 from v41jax.nn.model import Model
+from v41jax.provenance import environment  # the one definition; report_config records it
 from v41jax.train import evaluate, tasks
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -242,24 +240,6 @@ def bucket_labels(edges: Sequence[int]) -> list[str]:
     """Labels of the distance buckets of `evaluate.distance_edges`: <e0, e0–e1, ..., ≥ e_last."""
     inner = [f"{a}–{b}" for a, b in itertools.pairwise(edges)]
     return [f"<{edges[0]}", *inner, f"≥{edges[-1]}"]
-
-
-def environment() -> dict:
-    """Where the numbers come from: jax version, device, git commit (with '-dirty'), or the
-    commit `V41JAX_COMMIT` names (a device copy's git metadata can lag the tree it runs)."""
-    commit = os.environ.get("V41JAX_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "describe", "--always", "--dirty"],
-                cwd=Path(__file__).resolve().parent,
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "commit": commit}
 
 
 def report_config(

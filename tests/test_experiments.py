@@ -876,6 +876,7 @@ def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypa
         timing, "measure", lambda fn, datasets, iterations=10: (fake_timing(), None)
     )
     monkeypatch.setattr(timing, "measure_chain", lambda step, state, steps: (fake_timing(), state))
+    monkeypatch.setenv("V41JAX_COMMIT", "c0ffee1")  # every report names the code it timed
 
     picks = topk_bench.run(
         shapes={"pool": (64, 8)},
@@ -912,6 +913,8 @@ def test_bench_tables_print_what_the_kernel_and_decode_benchmarks_write(monkeypa
         f" ms | {e['pallas_topk']['median_ms']:.3f} ms | {e['pallas_scores']['median_ms']:.4f} ms"
     ) in table, table
     assert f"| {e['speedup_vs_full_scan_topk']:.0f}× |" in table, table
+    for kernel_report in (picks, scan, pooled):
+        assert kernel_report["commit"] == "c0ffee1", kernel_report.keys()
 
     argv = ["--contexts", "320", "--batch", "2", "--steps", "1", "--pool-blocks", "8"]
     report = bench_decode.main([*argv, "--index-topk", "16"])

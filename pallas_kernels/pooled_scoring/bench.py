@@ -31,6 +31,7 @@ from jax import lax
 
 from pallas_kernels import timing
 from pallas_kernels.pooled_scoring import api, kernel_mgpu
+from v41jax import provenance
 from v41jax.ops import formats, pool
 
 BLOCK_SIZE = kernel_mgpu.BLOCK_SIZE
@@ -102,8 +103,7 @@ def run(
     """
     copy = {"GBps": copy_gbps} if copy_gbps else timing.copy_ceiling()
     out = {
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
+        **provenance.environment(),
         "date": time.strftime("%Y-%m-%d"),
         "sizes": {"batch": batch, "n_blocks": n_blocks, "block_size": BLOCK_SIZE, "topk": topk},
         "heads": n_heads,

@@ -44,6 +44,7 @@ from pallas_kernels import timing
 from pallas_kernels.pooled_scoring import kernel_mgpu
 from pallas_kernels.pooled_scoring.bench import random_inputs
 from pallas_kernels.source_scan import api
+from v41jax import provenance
 from v41jax.ops import formats, pool
 
 BLOCK_SIZE = kernel_mgpu.BLOCK_SIZE
@@ -76,8 +77,7 @@ def run(
     """
     copy = {"GBps": copy_gbps} if copy_gbps else timing.copy_ceiling()
     out = {
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
+        **provenance.environment(),
         "date": time.strftime("%Y-%m-%d"),
         "sizes": {
             "batch": batch,
@@ -213,8 +213,7 @@ def tune(
     rows = batch * n_pos * formats.packed_row_bytes("mxfp4", dim)
     n_bytes = rows + batch * (n_heads * dim * 4 + n_heads * 4 + 4 + n_pos // BLOCK_SIZE * 4)
     out = {
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
+        **provenance.environment(),
         "date": time.strftime("%Y-%m-%d"),
         "n_pos": n_pos,
         "batch": batch,

@@ -35,6 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import timing
 from pallas_kernels.sparse_attention import api, kernel_mgpu
+from v41jax import provenance
 from v41jax.ops import formats
 from v41jax.ops.attention import packed_sparse_attention, softmax_with_sink
 
@@ -271,10 +272,8 @@ def run(
         and (batch, "xla_bf16_cache") in by
         and (batch, "xla_packed") in by
     }
-    device = jax.devices()[0]
     return {
-        "device": device.device_kind,
-        "jax": jax.__version__,
+        **provenance.environment(),
         "shape": dict(heads=heads, dim=dim, topk=topk, window=window, n_kv=n_kv),
         "flops_per_query": flops_per_query,
         "iterations": iterations,

@@ -38,6 +38,7 @@ import numpy as np
 
 from pallas_kernels import timing
 from pallas_kernels.topk import api, kernel_triton
+from v41jax import provenance
 
 SHAPES = {
     "pool_slots": (16_384, 512),
@@ -104,8 +105,7 @@ def run(
         `kernel_triton.default_row_output`.
     """
     out = {
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
+        **provenance.environment(),
         "date": time.strftime("%Y-%m-%d"),
         "batch": batch,
         "scores": scores,
