@@ -20,6 +20,7 @@ from pallas_kernels import lowering
 from pallas_kernels.pooled_scoring.api import pooled_scores
 from pallas_kernels.source_scan.api import candidate_source
 from pallas_kernels.sparse_attention import api as attention_api
+from pallas_kernels.sparse_attention import bench as attention_bench
 from pallas_kernels.sparse_attention import kernel_mgpu
 from pallas_kernels.topk import api as topk_api
 from pallas_kernels.topk import kernel_triton
@@ -318,26 +319,21 @@ def test_the_split_keys_take_the_staged_gather_only_where_it_fits():
 
 ATTENTION_VARIANTS = {
     "default": kernel_mgpu.TuningConfig(),
-    "exchange": kernel_mgpu.TuningConfig(kernel="exchange"),
+    **{
+        label: attention_bench.MGPU_VARIANTS[label]
+        for label in (
+            *("exchange", "async_gather", "q_overlap", "behind_pv"),
+            *("no_topk_gather", "no_topk_decode", "pipelined", "xla_slots", "split_keys"),
+            *("specialized", "specialized_async", "specialized_async_keys"),
+            "specialized_two_producers",
+        )
+    },
+    # Two options no benchmark label carries.
     "prefetch": kernel_mgpu.TuningConfig(kernel="exchange", prefetch=True),
-    "async_gather": kernel_mgpu.TuningConfig(kernel="exchange", gather="async"),
-    "q_overlap": kernel_mgpu.TuningConfig(kernel="exchange", q_overlap=True),
-    "behind_pv": kernel_mgpu.TuningConfig(kernel="exchange", gather="behind_pv"),
-    "no_topk_gather": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_gather"),
-    "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
-    "specialized": kernel_mgpu.TuningConfig(kernel="specialized"),
-    "specialized_async": kernel_mgpu.TuningConfig(kernel="specialized", gather="async"),
-    "specialized_async_keys": kernel_mgpu.TuningConfig(
-        kernel="specialized", gather="async", qk="keys"
-    ),
-    "specialized_two_producers": kernel_mgpu.TuningConfig(
-        kernel="specialized", gather="async", qk="keys", producers=2
-    ),
-    "pipelined_registers": kernel_mgpu.TuningConfig(kernel="pipelined", gather="registers"),
     "merge_in_kernel": kernel_mgpu.TuningConfig(splits=3, merge="kernel"),
-    "slots_in_xla": kernel_mgpu.TuningConfig(slots="xla"),
-    "split_keys": kernel_mgpu.TuningConfig(qk="keys"),
 }
+"""The attention kernel's programs whose inline PTX is assembled: the benchmark's variants
+(`bench.MGPU_VARIANTS`) by label, and two configurations of their own."""
 
 
 @pytest.mark.skipif(lowering.PTXAS is None, reason="ptxas (CUDA's assembler) is not on PATH")
