@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("v41jax", "pallas_kernels", "experiments", "notebooks")
 LAYERS = (  # (name, module prefixes), lowest first
-    ("ops", ("v41jax.ops",)),
+    ("ops", ("v41jax.ops", "v41jax.provenance")),  # and what every report records of its run
     ("kernels", ("pallas_kernels",)),
     ("model", ("v41jax.nn",)),
     ("training", ("v41jax.train", "v41jax.accounting", "v41jax.tables")),
