@@ -252,7 +252,10 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
 
     Raises:
       ValueError: a row whose last call's longest kernel is not a Mosaic GPU kernel (then
-        `longest_kernel_us` would time something else)."""
+        `longest_kernel_us` would time something else).
+
+    A row a run could not time (its compile or call raised) is named below the table with the
+    first line of its error, never left out silently."""
     devices = sorted({r["device"] for r in reports})
     lines = [
         "Runs: " + ", ".join(f"({i + 1}) `{p.name}`" for i, p in enumerate(paths)) + ".",
@@ -291,6 +294,17 @@ def attention_runs(reports: list[dict], paths: list[Path]) -> str:
         "Times in µs: the Mosaic kernel, median over the run's calls (the whole call, "
         "median); Δ: median (range) over runs, of the kernel and of the whole call.",
     ]
+    failed: dict[tuple, dict[str, list[int]]] = {}  # (batch, label) -> error -> runs
+    for i, report in enumerate(reports):
+        for r in report["results"]:
+            if r["implementation"].startswith("pallas_mgpu") and "error" in r:
+                errors = failed.setdefault((r["batch"], r["implementation"]), {})
+                errors.setdefault(r["error"].splitlines()[0], []).append(i + 1)
+    for (batch, label), errors in sorted(failed.items()):
+        for error, runs in errors.items():
+            which = ", ".join(f"({run})" for run in runs)
+            runs_word = "run" if len(runs) == 1 else "runs"
+            lines.append(f"Not timed: {label} at batch {batch}, {runs_word} {which}: {error}")
     return "\n".join(lines)
 
 

@@ -1071,7 +1071,8 @@ def test_attention_runs_pair_each_variant_with_its_own_runs_default():
     """`bench_tables --attention-runs`: one column per run (the Mosaic kernel's median over the
     run's calls, the call), the median over runs, and each variant's difference to the default
     of the same run, of the kernel and of the whole call (the variant here spends 3 µs less
-    outside its kernel); a row whose longest kernel is not the Mosaic one is refused."""
+    outside its kernel); a row the runs could not time is named below the table with its
+    error; a row whose longest kernel is not the Mosaic one is refused."""
     from experiments import bench_tables
 
     def run(default_us, variant_us):
@@ -1097,7 +1098,13 @@ def test_attention_runs_pair_each_variant_with_its_own_runs_default():
         "| 8 | pallas_mgpu[fast] | 9.00 (11.00) | 10.50 (12.50) | 11.50 (13.50) | 10.50 " in table
     )
     assert "| -1.00 (-1.50 … +0.50) | -4.00 (-4.50 … -2.50) |" in table
-    assert "xla_packed" not in table
+    assert "xla_packed" not in table and "Not timed" not in table
+    # A variant that did not compile in two runs is named with its error, not left out.
+    for i in (0, 2):
+        failed = {"batch": 8, "implementation": "pallas_mgpu[big]", "error": "E: ptxas\nmore"}
+        reports[i]["results"].append(failed)
+    table = bench_tables.attention_runs(reports, [Path(f"r{i}.json") for i in range(3)])
+    assert table.endswith("Not timed: pallas_mgpu[big] at batch 8, runs (1), (3): E: ptxas")
     reports[1]["results"][0]["kernels_us"][0][1] = 50.0  # an XLA op outlasts the kernel
     with pytest.raises(ValueError, match=r"batch 8 pallas_mgpu: .*got 'input_fusion'"):
         bench_tables.attention_runs(reports, [Path(f"r{i}.json") for i in range(3)])
