@@ -380,7 +380,9 @@ class TuningConfig:
         in each of four paired runs on an H100 by 0.20 µs of 28.68 (NOTES.md; `bench.py
         --variants merge_unrolled` times the unrolled merge).
       producers: ('specialized' only) its producer warpgroups: 1 decodes both halves of D of
-        every chunk; 2 decode one half each (four warpgroups, `SPECIALIZED_REGISTERS`).
+        every chunk; 2 decode one half each (four warpgroups, `SPECIALIZED_REGISTERS`). On an
+        H100 (2026-12-07) 2 did not compile at one or two splits, ptxas finding 128 registers
+        a thread where the consumers need 154 (NOTES.md); it compiled and passed at four.
     """
 
     dequant: str = "ptx"
