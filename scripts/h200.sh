@@ -20,6 +20,7 @@
 #                                   # (the sixteenth's) | merge_loop (the nineteenth's)
 #                                   # | decode_pairs (BEFORE=<commit>: two versions' decode steps)
 #                                   # | specialized_async | two_producers (the twenty-fourth's)
+#                                   # | registers (the twenty-fifth's)
 #   SEEDS="3 4 5" STUDIES=kv_format_study bash scripts/h200.sh ablations   # resumable, see below
 #   bash scripts/h200.sh studies    # issue 14's plan at 4 K tokens, one call's share (below)
 #   bash scripts/h200.sh studies_start; bash scripts/h200.sh studies_wait   # the same plan
@@ -531,6 +532,20 @@ if [[ $stage == two_producers ]]; then
   # of the default beside `specialized_async_keys` (one producer). Guards 150 + RUNS x 100 s.
   attention_check two_producers 150 "specialized_kernel_matches and keys-2" "${RUNS:-2}" 100 \
     --batches 64 128 --variants specialized_async_keys specialized_two_producers
+fi
+if [[ $stage == registers ]]; then
+  # The twenty-fifth session's: the warp-specialized kernel's producer spills at 56 registers
+  # (ptxas on its PTX: 96 bytes stored, 160 loaded) and not at 96 or 128
+  # (`TuningConfig.registers`, bench labels `specialized_async_keys_r208` and `_r192`). RUNS
+  # (default 2) runs of the default beside the staged words and split keys at 224 / 56 and at
+  # the two spill-free splits, at batches 64 and 128 (each output checked against the XLA
+  # reference: `rel_err`). Guards RUNS x 120 s.
+  for run in $(seq "${RUNS:-2}"); do
+    timeout -s INT 120 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+      --batches 64 128 --variants specialized_async_keys specialized_async_keys_r208 \
+      specialized_async_keys_r192 --out "$OUT/bench_sparse_attention_registers_run$run.json" \
+      >/dev/null || status=1
+  done
 fi
 if [[ $stage == decode_pairs ]]; then
   # Two versions of the decode step side by side (the twenty-first session's, run inline then):

@@ -220,15 +220,20 @@ def check_variant_compiled(tuning, case, seed):
         (3, 256, 2, None, "keys"),
     ],
 )
-@pytest.mark.parametrize("producers", (1, 2))
-def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers):
+@pytest.mark.parametrize(("producers", "registers"), [(1, None), (2, None), (1, (208, 96))])
+def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers, registers):
     """The warp-specialized kernel has no interpreted CPU case: at least its Pallas program
     lowers for the H200 here (`pallas_kernels.lowering`), at the GPU tests' shapes, its words
-    loaded or staged, its consumers splitting the keys or not (one split: the default shape
-    of batch 128, 10 chunks per CTA)."""
+    loaded or staged, its consumers splitting the keys or not, its registers split as by
+    default or as given (one split: the default shape of batch 128, 10 chunks per CTA)."""
     batch, n_kv, topk, window = 2, 4096, 512, 128
     tuning = kernel_mgpu.TuningConfig(
-        kernel="specialized", splits=splits, gather=gather, qk=qk, producers=producers
+        kernel="specialized",
+        splits=splits,
+        gather=gather,
+        qk=qk,
+        producers=producers,
+        registers=registers,
     )
     attend = functools.partial(
         api.fp4_sparse_attention, implementation="pallas", config=api.Config(mgpu=tuning)
@@ -574,6 +579,15 @@ def test_tuning_errors_name_the_option():
         kernel_mgpu.TuningConfig(kernel="specialized", producers=3)
     with pytest.raises(ValueError, match="producers: 2 only with kernel='specialized'"):
         kernel_mgpu.TuningConfig(producers=2)
+    with pytest.raises(ValueError, match="registers: only with kernel='specialized'"):
+        kernel_mgpu.TuningConfig(registers=(208, 96))
+    for bad in ((208, 90), (208,), [208, 96], (264, 24), (208, 16)):
+        with pytest.raises(ValueError, match=r"registers: expected a tuple .* got"):
+            kernel_mgpu.TuningConfig(kernel="specialized", registers=bad)
+    with pytest.raises(ValueError, match=r"\(224, 96\) ask for 544 .* at most 512"):
+        kernel_mgpu.TuningConfig(kernel="specialized", registers=(224, 96))
+    with pytest.raises(ValueError, match=r"2 producer warpgroups at \(184, 80\) ask for 528"):
+        kernel_mgpu.TuningConfig(kernel="specialized", producers=2, registers=(184, 80))
     with pytest.raises(
         ValueError, match=r"qk: expected None or one of \('heads', 'keys'\), got 'dims'"
     ):

@@ -49,6 +49,12 @@ MGPU_VARIANTS = {
     "specialized_two_producers": kernel_mgpu.TuningConfig(
         kernel="specialized", gather="async", qk="keys", producers=2
     ),
+    "specialized_async_keys_r208": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys", registers=(208, 96)
+    ),
+    "specialized_async_keys_r192": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys", registers=(192, 128)
+    ),
     "splits1": kernel_mgpu.TuningConfig(splits=1),
     "registers": kernel_mgpu.TuningConfig(kernel="exchange", gather="registers"),
     "async_gather": kernel_mgpu.TuningConfig(kernel="exchange", gather="async"),
@@ -74,20 +80,22 @@ MGPU_VARIANTS = {
     "no_topk_decode": kernel_mgpu.TuningConfig(kernel="exchange", ablation="no_topk_decode"),
 }
 """Mosaic GPU configurations the command line can add by label (`--variants`); the default
-(`pallas_mgpu`) is the two-tile kernel with its words staged by `cp.async` since 2026-12-06
-(the eleventh session). The warp-specialized kernel; split-KV off; the exchange kernel (the
-default before) as it runs by default, with each chunk's loads at its start (its default
-before the tenth session at every batch), with the staged gather (`cp.async`), with q awaited
-at the first product, with the next chunk's loads behind PV (alone and with q awaited late);
-the two-tile kernel with its words loaded into registers (with its splits and at one split)
-and staged; the default with its splits merged in XLA (as before the twelfth session, which
-merged them in the kernel; since the fourteenth, the default does so at two splits only) and
-merged in the kernel at any number of splits; with its slots made by an XLA op before the
-kernel (as before the thirteenth session, which made the kernel build them); with its merge in
-the kernel looping over 64 columns a pass (`merge_columns`; the nineteenth session's, the
-default since the twentieth) and unrolled (the default before); and the exchange kernel
-without the top-k rows' gather and decode, without the gather alone, or without the decode
-alone (leave-one-out timings: their outputs are wrong, their `rel_err` large)."""
+(`pallas_mgpu`) is the two-tile kernel with its words staged by `cp.async` since 2026-12-06 (the
+eleventh session). The warp-specialized kernel (its first form, at one split, with staged words,
+with split keys, with two producers, and with the split keys at two register splits that keep the
+producer's decode out of spills: `TuningConfig.registers`); split-KV off; the exchange kernel
+(the default before) as it runs by default, with each chunk's loads at its start (its default
+before the tenth session at every batch), with the staged gather (`cp.async`), with q awaited at
+the first product, with the next chunk's loads behind PV (alone and with q awaited late); the
+two-tile kernel with its words loaded into registers (with its splits and at one split) and
+staged; the default with its splits merged in XLA (as before the twelfth session, which merged
+them in the kernel; since the fourteenth, the default does so at two splits only) and merged in
+the kernel at any number of splits; with its slots made by an XLA op before the kernel (as before
+the thirteenth session, which made the kernel build them); with its merge in the kernel looping
+over 64 columns a pass (`merge_columns`; the nineteenth session's, the default since the
+twentieth) and unrolled (the default before); and the exchange kernel without the top-k rows'
+gather and decode, without the gather alone, or without the decode alone (leave-one-out timings:
+their outputs are wrong, their `rel_err` large)."""
 
 
 def bf16_cache_attention(

@@ -383,6 +383,10 @@ class TuningConfig:
         every chunk; 2 decode one half each (four warpgroups, `SPECIALIZED_REGISTERS`). On an
         H100 (2026-12-07) 2 did not compile at one or two splits, ptxas finding 128 registers
         a thread where the consumers need 154 (NOTES.md); it compiled and passed at four.
+      registers: ('specialized' only) the per-thread registers (consumers, producers) each
+        role asks for with `setmaxnreg`, multiples of 8 in [24, 256] whose sum over the
+        warpgroups is at most 512 (65,536 registers a CTA); None: `SPECIALIZED_REGISTERS`.
+        ptxas spills the producer's decode at 56 registers and not at 96 or more (NOTES.md).
     """
 
     dequant: str = "ptx"
@@ -397,10 +401,35 @@ class TuningConfig:
     ablation: str | None = None
     merge_columns: int | None = MERGE_TILE
     producers: int = 1
+    registers: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.producers not in (1, 2):
             raise ValueError(f"producers: expected 1 or 2, got {self.producers!r}")
+        if self.registers is not None:
+            if self.kernel != "specialized":
+                raise ValueError(
+                    f"registers: only with kernel='specialized', got kernel={self.kernel!r}"
+                )
+            if (
+                not isinstance(self.registers, tuple)
+                or len(self.registers) != 2
+                or any(
+                    not isinstance(n, int) or n % 8 or not 24 <= n <= 256 for n in self.registers
+                )
+            ):
+                raise ValueError(
+                    "registers: expected a tuple (consumers, producers) of multiples of 8 in "
+                    "[24, 256], "
+                    f"got {self.registers!r}"
+                )
+            consumers, producers = self.registers
+            if 2 * consumers + self.producers * producers > 512:
+                raise ValueError(
+                    f"registers: 2 consumer and {self.producers} producer warpgroups at "
+                    f"{self.registers} ask for {2 * consumers + self.producers * producers} "
+                    "registers a lane of a warpgroup, expected at most 512 (65,536 a CTA)"
+                )
         if self.producers == 2 and self.kernel != "specialized":
             raise ValueError(
                 f"producers: 2 only with kernel='specialized', got kernel={self.kernel!r}"
@@ -1255,6 +1284,7 @@ def _specialized_kernel(
     interpret: bool,
     split_keys: bool = False,
     producers: int = 1,
+    registers: tuple[int, int] = SPECIALIZED_REGISTERS[1],
 ):
     """The warp-specialized kernel (`TuningConfig(kernel='specialized')`, slower than the
     default on the H200: `NOTES.md`): warpgroups 0 and 1 compute, warpgroup 2 gathers and
@@ -1286,7 +1316,7 @@ def _specialized_kernel(
     half = geometry.half
     heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
     lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
-    consumer_registers, producer_registers = SPECIALIZED_REGISTERS[producers]
+    consumer_registers, producer_registers = registers
     staged = gather == "async"
     optional = list(optional)
     staging = optional.pop(0) if staged else None
@@ -2133,6 +2163,7 @@ def fp4_sparse_attention_mgpu(
             gather=gather,
             split_keys=split_keys,
             producers=config.producers,
+            registers=config.registers or SPECIALIZED_REGISTERS[config.producers],
             **statics,
         )
         warpgroups = 2 + config.producers
