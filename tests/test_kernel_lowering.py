@@ -9,6 +9,8 @@ numbers (the GPU tests do, `-m gpu`) and not the Triton/ptxas compiles that foll
 """
 
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.experimental.pallas as pl
@@ -21,7 +23,7 @@ from pallas_kernels.pooled_scoring.api import pooled_scores
 from pallas_kernels.source_scan.api import candidate_source
 from pallas_kernels.sparse_attention import api as attention_api
 from pallas_kernels.sparse_attention import bench as attention_bench
-from pallas_kernels.sparse_attention import kernel_mgpu
+from pallas_kernels.sparse_attention import kernel_mgpu, registers
 from pallas_kernels.topk import api as topk_api
 from pallas_kernels.topk import kernel_triton
 from v41jax.nn import config, model
@@ -352,6 +354,31 @@ def test_the_attention_kernels_inline_ptx_assembles(variant):
             lowering.lower_for_gpu(attend, *attention_args(heads, dim=dim))
         assert programs, "no inline PTX recorded: the kernel did not lower inside the block"
         assert lowering.assemble_inline_ptx(programs) >= 5
+
+
+@pytest.mark.skipif(lowering.PTXAS is None, reason="ptxas (CUDA's assembler) is not on PATH")
+def test_the_register_split_report_reads_what_ptxas_says(tmp_path, capsys):
+    """`sparse_attention.registers` on the committed PTX of the warp-specialized kernel (the
+    H100's dump, 2026-12-07): at 224 / 56 registers ptxas spills the producer's code, at
+    208 / 96 it does not (NOTES.md), and the four-warpgroup program is refused with ptxas's
+    own message; the rows come back as JSON and as a table."""
+    dump = Path(__file__).parents[1] / "experiments/results/ptx_specialized_h100_2026-12-07e.tgz"
+    out = tmp_path / "rows.json"
+    argv = [str(dump), "--programs", "ptx_specialized_async_keys"]
+    rows = registers.main([*argv, "--splits", "224/56", "208/96", "--out", str(out)])
+    assert json.loads(out.read_text()) == rows
+    spilled, clean = rows
+    assert spilled["spill_store_bytes"] > 0 and spilled["spill_load_bytes"] > 0, spilled
+    assert clean["spill_store_bytes"] == clean["spill_load_bytes"] == 0, clean
+    # At entry: 65,536 registers over 384 threads, rounded down to a multiple of 8.
+    assert spilled["registers"] == clean["registers"] == 65_536 // 384 // 8 * 8, rows
+    row = "| ptx_specialized_async_keys | 208 / 96 | 168 | 0 B | 0 B | 0 B |"
+    assert row in capsys.readouterr().out
+    argv = [str(dump), "--programs", "ptx_specialized_two_producers", "--splits", "184/72"]
+    (refused,) = registers.main(argv)
+    assert "Insufficient registers (128)" in refused["fatal"], refused
+    with pytest.raises(ValueError, match=r"setmaxnreg\.inc and a setmaxnreg\.dec"):
+        registers.with_split("ret;", 208, 96)
 
 
 def test_the_ptxas_check_rejects_what_ptxas_rejects():

@@ -1,0 +1,154 @@
+"""What ptxas makes of the warp-specialized attention kernel at each register split: its PTX
+(Mosaic GPU's dump, `h200.sh attention_ptxas`) with every `setmaxnreg.inc` set to the
+consumers' count and every `setmaxnreg.dec` to the producers', assembled for sm_90a with
+`ptxas -v`, and its report read back: registers at entry, stack frame, spilled bytes, the
+notes ptxas adds (C75xx: a `setmaxnreg` it ignored, wgmmas it serialized) or its fatal error.
+
+    # anywhere ptxas is on PATH, from a dump brought back from the GPU (.ptx files or a .tgz
+    # of them, each named by its folder): one table row per PTX file and split
+    python3 -m pallas_kernels.sparse_attention.registers \\
+        experiments/results/ptx_specialized_h100_2026-12-07e.tgz \\
+        --programs ptx_specialized ptx_specialized_async_keys \\
+        --splits 224/56 216/80 208/96 200/112 192/128 --out registers.json
+
+The PTX is the same program at every split (only the two counts change), so the differences
+are ptxas's alone; ptxas is the assembler on PATH, which need not be the one Mosaic GPU ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+from pallas_kernels import lowering
+
+_INC = re.compile(r"setmaxnreg\.inc\.sync\.aligned\.u32 \d+;")
+_DEC = re.compile(r"setmaxnreg\.dec\.sync\.aligned\.u32 \d+;")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_NOTE = re.compile(r"\((C75\d\d)\) (.*)")
+_FATAL = re.compile(r"ptxas fatal\s*: (.*)")
+
+
+def with_split(ptx: str, consumers: int, producers: int) -> str:
+    """`ptx` with every `setmaxnreg.inc` asking for `consumers` registers and every
+    `setmaxnreg.dec` for `producers`.
+
+    Raises:
+      ValueError: `ptx` has no `setmaxnreg.inc` or no `setmaxnreg.dec` (not a
+        warp-specialized kernel's)."""
+    if not _INC.search(ptx) or not _DEC.search(ptx):
+        raise ValueError("ptx: expected a setmaxnreg.inc and a setmaxnreg.dec, found not both")
+    ptx = _INC.sub(f"setmaxnreg.inc.sync.aligned.u32 {consumers};", ptx)
+    return _DEC.sub(f"setmaxnreg.dec.sync.aligned.u32 {producers};", ptx)
+
+
+def assemble(ptx: str, arch: str = "sm_90a") -> dict:
+    """ptxas -O3 -v's report of `ptx`: registers at entry, stack frame and spill bytes, the
+    C75xx notes, or `fatal` (its first fatal line) when it refused the program.
+
+    Raises:
+      RuntimeError: ptxas is not on PATH."""
+    if lowering.PTXAS is None:
+        raise RuntimeError("ptxas: not on PATH (CUDA's assembler; the GPU machine has it)")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        proc = subprocess.run(
+            [lowering.PTXAS, f"-arch={arch}", "-O3", "-v", str(source), "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+        )
+    text = proc.stdout + proc.stderr
+    report: dict = {"notes": [f"{m[1]} {m[2].strip()}" for m in _NOTE.finditer(text)]}
+    if fatal := _FATAL.search(text):
+        return report | {"fatal": fatal[1].strip()}
+    frame, used = _FRAME.search(text), _USED.search(text)
+    if frame is None or used is None:
+        raise RuntimeError(f"ptxas -v: no register report in its output:\n{text}")
+    stack, stores, loads = map(int, frame.groups())
+    return report | {
+        "registers": int(used[1]),
+        "stack_bytes": stack,
+        "spill_store_bytes": stores,
+        "spill_load_bytes": loads,
+    }
+
+
+def read_ptx(paths: list[Path]) -> dict[str, str]:
+    """PTX programs by name: a .ptx file by its parent folder's name, each .ptx member of a
+    .tgz by its folder inside the archive."""
+    programs = {}
+    for path in paths:
+        if path.suffix == ".ptx":
+            programs[path.parent.name] = path.read_text()
+            continue
+        with tarfile.open(path) as archive:
+            for member in archive.getmembers():
+                if member.name.endswith(".ptx"):
+                    name = Path(member.name).parent.name
+                    programs[name] = archive.extractfile(member).read().decode()
+    if not programs:
+        raise ValueError(f"paths: expected .ptx files or archives holding some, got {paths}")
+    return programs
+
+
+def table(rows: list[dict]) -> str:
+    """One line per program and split: registers at entry, stack, spills, or the error."""
+    lines = [
+        "| program | consumers / producers | registers at entry | stack | spill stores | "
+        "spill loads | ptxas notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        split = f"{r['consumers']} / {r['producers']}"
+        notes = "; ".join(r["notes"])
+        if "fatal" in r:
+            lines.append(f"| {r['program']} | {split} | refused: {r['fatal']} |  |  |  | {notes} |")
+            continue
+        lines.append(
+            f"| {r['program']} | {split} | {r['registers']} | {r['stack_bytes']} B | "
+            f"{r['spill_store_bytes']} B | {r['spill_load_bytes']} B | {notes} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", type=Path, nargs="+", help=".ptx files or .tgz archives")
+    parser.add_argument(
+        "--splits", nargs="+", default=["224/56", "208/96"], help="consumers/producers"
+    )
+    parser.add_argument("--programs", nargs="+", help="only these (folder names); default all")
+    parser.add_argument("--out", type=Path, help="the rows as JSON")
+    args = parser.parse_args(argv)
+    programs = read_ptx(args.paths)
+    if args.programs:
+        if missing := sorted(set(args.programs) - set(programs)):
+            parser.error(f"--programs: {missing} not among {sorted(programs)}")
+        programs = {name: programs[name] for name in args.programs}
+    splits = []
+    for split in args.splits:
+        try:
+            consumers, producers = (int(n) for n in split.split("/"))
+        except ValueError:
+            parser.error(f"--splits: expected CONSUMERS/PRODUCERS such as 208/96, got {split!r}")
+        splits.append((consumers, producers))
+    rows = [
+        {"program": name, "consumers": c, "producers": p} | assemble(with_split(ptx, c, p))
+        for name, ptx in programs.items()
+        for c, p in splits
+    ]
+    print(table(rows))
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
