@@ -19,6 +19,8 @@ import re
 import statistics
 from pathlib import Path
 
+from pallas_kernels.sparse_attention import registers
+
 
 def _context(n: int) -> str:
     if n % 2**20 == 0:
@@ -942,11 +944,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="issue 16's targets from source-scan, pooled, attention and decode runs",
     )
+    parser.add_argument(
+        "--registers",
+        action="store_true",
+        help="the paths are sparse_attention.registers reports (ptxas at each register split)",
+    )
     args = parser.parse_args(argv)
     if args.against and not (args.attention_runs or args.decode):
         parser.error("--against: pairs runs of --attention-runs or --decode; give one of them")
     reports = [json.loads(p.read_text()) for p in args.paths]
-    if args.targets:
+    if args.registers:
+        print(registers.table([row for report in reports for row in report]))
+    elif args.targets:
         print(targets(reports, args.paths))
     elif args.tune:
         for path, report in zip(args.paths, reports, strict=True):
