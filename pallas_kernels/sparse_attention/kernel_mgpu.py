@@ -420,15 +420,15 @@ class TuningConfig:
             ):
                 raise ValueError(
                     "registers: expected a tuple (consumers, producers) of multiples of 8 in "
-                    "[24, 256], "
-                    f"got {self.registers!r}"
+                    f"[24, 256], got {self.registers!r}"
                 )
             consumers, producers = self.registers
             if 2 * consumers + self.producers * producers > 512:
                 raise ValueError(
                     f"registers: 2 consumer and {self.producers} producer warpgroups at "
                     f"{self.registers} ask for {2 * consumers + self.producers * producers} "
-                    "registers a lane of a warpgroup, expected at most 512 (65,536 a CTA)"
+                    "registers a thread summed over the warpgroups, expected at most 512 "
+                    "(65,536 a CTA of 128-thread warpgroups)"
                 )
         if self.producers == 2 and self.kernel != "specialized":
             raise ValueError(
