@@ -162,12 +162,19 @@ def test_split_kv_matches_reference(splits):
     ("gather", "qk", "producers"),
     [(None, None, 1), ("async", None, 1), ("async", "keys", 1), ("async", "keys", 2)],
 )
-def test_specialized_kernel_matches_reference_gpu(case, splits, gather, qk, producers):
+def test_specialized_kernel_matches_reference_gpu(case, splits, gather, qk, producers, request):
     """The warp-specialized Mosaic GPU kernel (`TuningConfig(kernel='specialized')`), its words
     loaded or staged, its consumers computing every logit or half the keys each, one producer
     or two, compiled: the interpreter does not finish its three warpgroups on a 2-core CPU
     (2026-12-04: the two consumers wait at their first barrier and the producer never runs),
-    so it has no CPU case."""
+    so it has no CPU case. Two producers at two splits do not compile (an H100, 2026-12-07:
+    ptxas starts four warpgroups at 128 registers a thread, and PV's m64n256 wgmma needs 154;
+    NOTES.md): a strict expected failure, so that a compile that starts to pass says so."""
+    if producers == 2 and splits == 2:
+        reason = "ptxas C7602: PV's wgmma needs 154 registers, four warpgroups start at 128"
+        request.applymarker(
+            pytest.mark.xfail(raises=jax.errors.JaxRuntimeError, strict=True, reason=reason)
+        )
     tuning = kernel_mgpu.TuningConfig(
         kernel="specialized", splits=splits, gather=gather, qk=qk, producers=producers
     )
