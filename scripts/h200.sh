@@ -530,8 +530,8 @@ if [[ $stage == two_producers ]]; then
   # warpgroups: each producer decodes one half of D), the staged words and the split keys
   # (bench label `specialized_two_producers`). Its 16 GPU tests, then RUNS (default 2) runs
   # of the default beside `specialized_async_keys` (one producer). Guards 150 + RUNS x 100 s.
-  # Run in the twenty-fifth session (H100): 8 tests pass (four splits); the 8 at two splits and
-  # the benchmark's rows do not compile (ptxas, 128 registers a thread): strict xfails since.
+  # Run in the twenty-fifth session (H100): the 8 tests at D = 256 pass; the 8 at D = 512 and
+  # the benchmark's rows did not compile (ptxas, 128 registers a thread), refused by name since.
   attention_check two_producers 150 "specialized_kernel_matches and keys-2" "${RUNS:-2}" 100 \
     --batches 64 128 --variants specialized_async_keys specialized_two_producers
 fi

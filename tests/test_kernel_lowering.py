@@ -326,8 +326,8 @@ ATTENTION_VARIANTS = {
         for label in (
             *("exchange", "async_gather", "q_overlap", "behind_pv"),
             *("no_topk_gather", "no_topk_decode", "pipelined", "xla_slots", "split_keys"),
+            # (Two producers write the same inline PTX as one, and take D = 256 only.)
             *("specialized", "specialized_async", "specialized_async_keys"),
-            "specialized_two_producers",
         )
     },
     # Two options no benchmark label carries.

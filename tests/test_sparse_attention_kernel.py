@@ -162,22 +162,20 @@ def test_split_kv_matches_reference(splits):
     ("gather", "qk", "producers"),
     [(None, None, 1), ("async", None, 1), ("async", "keys", 1), ("async", "keys", 2)],
 )
-def test_specialized_kernel_matches_reference_gpu(case, splits, gather, qk, producers, request):
+def test_specialized_kernel_matches_reference_gpu(case, splits, gather, qk, producers):
     """The warp-specialized Mosaic GPU kernel (`TuningConfig(kernel='specialized')`), its words
     loaded or staged, its consumers computing every logit or half the keys each, one producer
     or two, compiled: the interpreter does not finish its three warpgroups on a 2-core CPU
     (2026-12-04: the two consumers wait at their first barrier and the producer never runs),
-    so it has no CPU case. Two producers at two splits do not compile (an H100, 2026-12-07:
-    ptxas starts four warpgroups at 128 registers a thread, and PV's m64n256 wgmma needs 154;
-    NOTES.md): a strict expected failure, so that a compile that starts to pass says so."""
-    if producers == 2 and splits == 2:
-        reason = "ptxas C7602: PV's wgmma needs 154 registers, four warpgroups start at 128"
-        request.applymarker(
-            pytest.mark.xfail(raises=jax.errors.JaxRuntimeError, strict=True, reason=reason)
-        )
+    so it has no CPU case. Two producers take D = 256 only: at 512 the call is refused by name
+    (ptxas did not compile it on an H100, 2026-12-07: NOTES.md)."""
     tuning = kernel_mgpu.TuningConfig(
         kernel="specialized", splits=splits, gather=gather, qk=qk, producers=producers
     )
+    if producers == 2 and {**GPU_CASES, **CPU_CASES}[case]["dim"] == 512:
+        with pytest.raises(ValueError, match=r"config\.producers: 2 only at D <= 256"):
+            check_variant_compiled(tuning, case, 9)
+        return
     check_variant_compiled(tuning, case, 9)
 
 
@@ -232,7 +230,8 @@ def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers, re
     """The warp-specialized kernel has no interpreted CPU case: at least its Pallas program
     lowers for the H200 here (`pallas_kernels.lowering`), at the GPU tests' shapes, its words
     loaded or staged, its consumers splitting the keys or not, its registers split as by
-    default or as given (one split: the default shape of batch 128, 10 chunks per CTA)."""
+    default or as given (one split: the default shape of batch 128, 10 chunks per CTA); two
+    producers at D = 512 are refused by name."""
     batch, n_kv, topk, window = 2, 4096, 512, 128
     tuning = kernel_mgpu.TuningConfig(
         kernel="specialized",
@@ -253,6 +252,10 @@ def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers, re
         jax.ShapeDtypeStruct((batch, window), jnp.bool_),
         jax.ShapeDtypeStruct((heads,), jnp.float32),
     )
+    if producers == 2 and dim == 512:  # refused by name before it lowers
+        with pytest.raises(ValueError, match=r"config.producers: 2 only at D <= 256.*D = 512"):
+            lowering.lower_for_gpu(attend, *args)
+        return
     calls = lowering.custom_calls(lowering.lower_for_gpu(attend, *args))
     assert calls["mosaic_gpu"] == 1, calls
 

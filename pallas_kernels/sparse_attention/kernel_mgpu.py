@@ -380,9 +380,9 @@ class TuningConfig:
         in each of four paired runs on an H100 by 0.20 µs of 28.68 (NOTES.md; `bench.py
         --variants merge_unrolled` times the unrolled merge).
       producers: ('specialized' only) its producer warpgroups: 1 decodes both halves of D of
-        every chunk; 2 decode one half each (four warpgroups, `SPECIALIZED_REGISTERS`). On an
-        H100 (2026-12-07) 2 did not compile at one or two splits, ptxas finding 128 registers
-        a thread where the consumers need 154 (NOTES.md); it compiled and passed at four.
+        every chunk; 2 decode one half each (four warpgroups, `SPECIALIZED_REGISTERS`), at
+        D = 256 only: at 512, ptxas refuses PV's wgmma, which needs 154 registers a thread
+        where four warpgroups start at 128 (an H100, 2026-12-07; NOTES.md).
       registers: ('specialized' only) the per-thread registers (consumers, producers) each
         role asks for with `setmaxnreg`, multiples of 8 in [24, 256] whose sum over the
         warpgroups is at most 512 (65,536 registers a CTA); None: `SPECIALIZED_REGISTERS`.
@@ -2084,6 +2084,15 @@ def fp4_sparse_attention_mgpu(
         raise ValueError(
             f"config.merge_columns: expected a divisor of D/2 = {geometry.half}, got "
             f"{config.merge_columns}"
+        )
+    if config.kernel == "specialized" and config.producers == 2 and geometry.half > 128:
+        # Four warpgroups start at 65,536 / 512 = 128 registers a thread, and ptxas wants every
+        # instruction to fit that count whatever `setmaxnreg` raises it to: PV's wgmma into a
+        # [64, D/2] float32 accumulator holds 128 of them at D = 512 (NOTES.md, 2026-12-07).
+        raise ValueError(
+            f"config.producers: 2 only at D <= 256 (PV's accumulator of D/2 columns in one "
+            f"wgmma must fit the 128 registers a thread of four warpgroups), got D = "
+            f"{geometry.half * 2}"
         )
     if config.ablation in ("no_topk_gather", "no_topk_decode") and dequant_kind != "ptx":
         raise ValueError(
