@@ -1062,6 +1062,16 @@ class _SplitKeys:
     barriers: object
     rows: object
 
+    @staticmethod
+    def scratch(interpret: bool, rows: bool = True) -> list:
+        """The scratch a kernel allocates for these, in this order: the P tile (plain where
+        interpreted), the two barriers, and the rows unless the kernel lends its own."""
+        tile = plgpu.SMEM(
+            (BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=() if interpret else _TILE
+        )
+        shared = [tile, plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # the maxima, P
+        return [*shared, plgpu.SMEM((2, BLOCK_HEADS), jnp.float32)] if rows else shared
+
     def softmax(self, s, slots_ref, acc, m, denom, logit_scale: float, interpret: bool):
         """`_softmax_step` for qk='keys': `s` [64 heads, 32 keys] holds this warpgroup's keys
         [32·wg, 32·wg + 32) only. The two warpgroups swap their new row maxima (max is exact
@@ -2153,15 +2163,8 @@ def fp4_sparse_attention_mgpu(
                 plgpu.Barrier(),  # the log-sum-exps
                 plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=2),
             ]
-        if split_keys:  # then the P tile (plain where interpreted), the row exchange
-            optional += [
-                plgpu.SMEM(
-                    (BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=() if interpret else _TILE
-                ),
-                plgpu.Barrier(num_arrivals=2, num_barriers=2),  # the maxima, P: both warpgroups
-            ]
-            if not merge:  # merging, the rows go through the merge's log-sum-exp stage
-                optional.append(plgpu.SMEM((2, BLOCK_HEADS), jnp.float32))
+        if split_keys:  # then the P tile, its barriers and (merging: the merge's) the rows
+            optional += _SplitKeys.scratch(interpret, rows=not merge)
     elif config.kernel == "specialized":
         dequant = tuple(make_dequant(geometry, h) for h in range(2))
         gather = config.gather_for(splits)
@@ -2188,14 +2191,8 @@ def fp4_sparse_attention_mgpu(
         ]
         if gather == "async":  # `_specialized_kernel`'s optional scratch, first
             optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
-        if split_keys:  # then the P tile (plain where interpreted), its barriers, the rows
-            optional += [
-                plgpu.SMEM(
-                    (BLOCK_HEADS, BLOCK_KV), jnp.bfloat16, transforms=() if interpret else _TILE
-                ),
-                plgpu.Barrier(num_arrivals=2, num_barriers=2),  # the maxima, P: both consumers
-                plgpu.SMEM((2, BLOCK_HEADS), jnp.float32),
-            ]
+        if split_keys:  # then the P tile, its barriers, the rows
+            optional += _SplitKeys.scratch(interpret)
     else:
         gather = config.gather_for(splits)
         kernel = functools.partial(
