@@ -19,7 +19,7 @@ import re
 import statistics
 from pathlib import Path
 
-from pallas_kernels.sparse_attention import registers
+from pallas_kernels import registers
 
 
 def _context(n: int) -> str:
@@ -947,7 +947,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--registers",
         action="store_true",
-        help="the paths are sparse_attention.registers reports (ptxas at each register split)",
+        help="the paths are pallas_kernels.registers reports (ptxas at each register split)",
     )
     args = parser.parse_args(argv)
     if args.against and not (args.attention_runs or args.decode):

@@ -21,17 +21,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
+
+from pallas_kernels import ptxas
 
 DEVICE_KIND = "NVIDIA H200"
 """The project's GPU (DESIGN: Hopper, sm_90a), as its devices name their kind."""
@@ -148,29 +146,17 @@ def ptx_entry(program: InlinePtx, arch: str = "sm_90a", name: str = "inline_ptx"
     return "\n".join(lines) + "\n"
 
 
-PTXAS = shutil.which("ptxas")
-"""The PTX assembler `assemble_inline_ptx` runs, or None where it is not on PATH."""
-
-
 def assemble_inline_ptx(programs: list[InlinePtx], arch: str = "sm_90a") -> int:
     """Assembles each distinct program (`ptx_entry`) with `ptxas -arch=arch`; returns how many
     were assembled. Raises `RuntimeError` with ptxas's message and the module for the first
-    that fails, and where ptxas is not on PATH."""
-    if PTXAS is None:
-        raise RuntimeError("ptxas: not on PATH (CUDA's assembler, which this check runs)")
+    that fails, and where ptxas is not on PATH (`ptxas.run`)."""
     distinct = list(dict.fromkeys(programs))
-    with tempfile.TemporaryDirectory() as folder:
-        for i, program in enumerate(distinct):
-            source = Path(folder, f"program_{i}.ptx")
-            source.write_text(ptx_entry(program, arch))
-            done = subprocess.run(
-                [PTXAS, f"-arch={arch}", "-o", str(source.with_suffix(".cubin")), str(source)],
-                capture_output=True,
-                text=True,
+    for i, program in enumerate(distinct):
+        module = ptx_entry(program, arch)
+        done = ptxas.run(module, arch=arch)
+        if done.returncode:
+            raise RuntimeError(
+                f"ptxas rejected inline PTX program {i} of {len(distinct)}:\n"
+                f"{done.stderr.strip()}\n--- module ---\n{module}"
             )
-            if done.returncode:
-                raise RuntimeError(
-                    f"ptxas rejected inline PTX program {i} of {len(distinct)}:\n"
-                    f"{done.stderr.strip()}\n--- module ---\n{source.read_text()}"
-                )
     return len(distinct)

@@ -3,6 +3,8 @@
 import argparse
 import json
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -818,6 +820,20 @@ def test_every_printed_table_in_benchmarks_md_is_what_its_command_prints(doc, ca
         bench_tables.main(shlex.split(argv))
         printed = capsys.readouterr().out.strip()
         assert printed and printed in text[match.end() : end], argv
+
+
+def test_the_table_printer_imports_no_jax():
+    """`bench_tables.py` reads JSON and prints tables: importing it (the register report
+    included, `pallas_kernels.registers` → `ptxas`) loads no jax, which took a second and a
+    half of every print when the report imported the lowering module for ptxas's path."""
+    probe = (
+        "import json, sys, experiments.bench_tables; "
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout))
+    assert "experiments" in loaded and not loaded & {"jax", "jaxlib"}, sorted(loaded)
 
 
 def test_the_topk_benchmark_times_the_kernel_at_each_warp_count(monkeypatch):

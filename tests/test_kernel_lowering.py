@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from pallas_kernels import lowering
+from pallas_kernels import lowering, ptxas, registers
 from pallas_kernels.pooled_scoring.api import pooled_scores
 from pallas_kernels.source_scan.api import candidate_source
 from pallas_kernels.sparse_attention import api as attention_api
 from pallas_kernels.sparse_attention import bench as attention_bench
-from pallas_kernels.sparse_attention import kernel_mgpu, registers
+from pallas_kernels.sparse_attention import kernel_mgpu
 from pallas_kernels.topk import api as topk_api
 from pallas_kernels.topk import kernel_triton
 from v41jax.nn import config, model
@@ -338,7 +338,7 @@ ATTENTION_VARIANTS = {
 (`bench.MGPU_VARIANTS`) by label, and two configurations of their own."""
 
 
-@pytest.mark.skipif(lowering.PTXAS is None, reason="ptxas (CUDA's assembler) is not on PATH")
+@pytest.mark.skipif(ptxas.PTXAS is None, reason="ptxas (CUDA's assembler) is not on PATH")
 @pytest.mark.parametrize("variant", ATTENTION_VARIANTS, ids=str)
 def test_the_attention_kernels_inline_ptx_assembles(variant):
     """Every inline PTX program a variant of the attention kernel writes, at both head dims,
@@ -356,9 +356,9 @@ def test_the_attention_kernels_inline_ptx_assembles(variant):
         assert lowering.assemble_inline_ptx(programs) >= 5
 
 
-@pytest.mark.skipif(lowering.PTXAS is None, reason="ptxas (CUDA's assembler) is not on PATH")
+@pytest.mark.skipif(ptxas.PTXAS is None, reason="ptxas (CUDA's assembler) is not on PATH")
 def test_the_register_split_report_reads_what_ptxas_says(tmp_path, capsys):
-    """`sparse_attention.registers` on the committed PTX of the warp-specialized kernel (the
+    """`registers` on the committed PTX of the warp-specialized kernel (the
     H100's dump, 2026-12-07): at 224 / 56 registers ptxas spills the producer's code, at
     208 / 96 it does not (NOTES.md), and the four-warpgroup program is refused with ptxas's
     own message; the rows come back as JSON and as a table."""
@@ -384,7 +384,7 @@ def test_the_register_split_report_reads_what_ptxas_says(tmp_path, capsys):
 def test_the_ptxas_check_rejects_what_ptxas_rejects():
     """The check can fail: a 16-byte-only `cp.async.cg` given 8 bytes, and a 3-wide vector
     load, are refused with ptxas's message; without ptxas, the check says so."""
-    if lowering.PTXAS is None:
+    if ptxas.PTXAS is None:
         with pytest.raises(RuntimeError, match="ptxas: not on PATH"):
             lowering.assemble_inline_ptx([])
         return

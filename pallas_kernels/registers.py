@@ -6,7 +6,7 @@ notes ptxas adds (C75xx: a `setmaxnreg` it ignored, wgmmas it serialized) or its
 
     # anywhere ptxas is on PATH, from a dump brought back from the GPU (.ptx files or a .tgz
     # of them, each named by its folder): one table row per PTX file and split
-    python3 -m pallas_kernels.sparse_attention.registers \\
+    python3 -m pallas_kernels.registers \\
         experiments/results/ptx_specialized_h100_2026-12-07e.tgz \\
         --programs ptx_specialized ptx_specialized_async_keys \\
         --splits 224/56 216/80 208/96 200/112 192/128 --out registers.json
@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import tarfile
-import tempfile
 from pathlib import Path
 
-from pallas_kernels import lowering
+from pallas_kernels import ptxas
 
 _INC = re.compile(r"setmaxnreg\.inc\.sync\.aligned\.u32 \d+;")
 _DEC = re.compile(r"setmaxnreg\.dec\.sync\.aligned\.u32 \d+;")
@@ -54,16 +52,7 @@ def assemble(ptx: str, arch: str = "sm_90a") -> dict:
 
     Raises:
       RuntimeError: ptxas is not on PATH."""
-    if lowering.PTXAS is None:
-        raise RuntimeError("ptxas: not on PATH (CUDA's assembler; the GPU machine has it)")
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "kernel.ptx"
-        source.write_text(ptx)
-        proc = subprocess.run(
-            [lowering.PTXAS, f"-arch={arch}", "-O3", "-v", str(source), "-o", "/dev/null"],
-            capture_output=True,
-            text=True,
-        )
+    proc = ptxas.run(ptx, "-O3", "-v", arch=arch)
     text = proc.stdout + proc.stderr
     report: dict = {"notes": [f"{m[1]} {m[2].strip()}" for m in _NOTE.finditer(text)]}
     if fatal := _FATAL.search(text):
