@@ -1072,6 +1072,14 @@ class _SplitKeys:
         shared = [tile, plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # the maxima, P
         return [*shared, plgpu.SMEM((2, BLOCK_HEADS), jnp.float32)] if rows else shared
 
+    @staticmethod
+    def sink_share(denom, wg):
+        """`_open_softmax`'s row sums as warpgroup `wg`'s share, so that the two shares add up
+        to the row sums (`sum_rows`): the sink's term counted once, in warpgroup 0's share, and
+        warpgroup 1's zero (a NaN sink is NaN in both, so it reaches the output as it does the
+        definition's)."""
+        return denom * jnp.where(wg == 0, 1.0, 0.0)
+
     def softmax(self, s, slots_ref, acc, m, denom, logit_scale: float, interpret: bool):
         """`_softmax_step` for qk='keys': `s` [64 heads, 32 keys] holds this warpgroup's keys
         [32·wg, 32·wg + 32) only. The two warpgroups swap their new row maxima (max is exact
@@ -1410,8 +1418,8 @@ def _specialized_kernel(
         plgpu.barrier_wait(slots_bar)
         plgpu.barrier_wait(sink_bar)
         acc, m, denom = _open_softmax(sink_smem.at[wg], half, split)
-        if split_keys:  # the sink's term counted once, in consumer 0's share of the sums
-            denom = denom * jnp.where(wg == 0, 1.0, 0.0)
+        if split_keys:
+            denom = _SplitKeys.sink_share(denom, wg)
         for other in range(2):  # QK^T reads both halves of q
             plgpu.barrier_wait(load_barriers.at[3 * other])
         keys = pl.ds(pl.multiple_of(wg * HALF_KV, HALF_KV), HALF_KV) if split_keys else slice(None)
@@ -1912,8 +1920,8 @@ def _pipelined_kernel(
         return pl.run_state(pv)(plgpu.ACC.init(acc)), m, denom
 
     acc, m, denom = _open_softmax(sink_smem.at[wg], half, split)
-    if split_keys:  # the sink's term counted once, in warpgroup 0's share of the sums
-        denom = denom * jnp.where(wg == 0, 1.0, 0.0)  # a −inf sink's 0 stays 0, a NaN NaN
+    if split_keys:
+        denom = _SplitKeys.sink_share(denom, wg)
     acc, m, denom = lax.fori_loop(lo, hi, step, (acc, m, denom))
     if split_keys:  # both warpgroups' shares of the row sums
         denom = shared.sum_rows(denom)
