@@ -57,6 +57,33 @@ def custom_calls(lowered: jax.stages.Lowered) -> dict[str, int]:
     return {name: text.count(f"custom_call @{target}") for name, target in CUSTOM_CALLS.items()}
 
 
+def mosaic_gpu_modules(lowered: jax.stages.Lowered) -> list[str]:
+    """The Mosaic GPU program of each of `lowered`'s Mosaic GPU calls, as MLIR text without
+    source locations: the module its custom call carries serialized, read back. Two versions
+    of a kernel whose texts are equal lower to the same program (a refactor checked op for
+    op), and the text names the instructions a kernel will issue (its wgmma shapes)."""
+    texts = []
+    stablehlo = lowered.compiler_ir("stablehlo")
+
+    def walk(op: ir.Operation) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    inner = inner.operation
+                    if inner.name == "stablehlo.custom_call" and ir.StringAttr(
+                        inner.attributes["call_target_name"]
+                    ).value.startswith(CUSTOM_CALLS["mosaic_gpu"]):
+                        config = inner.attributes["mhlo.backend_config"]
+                        module = ir.Module.parse(ir.StringAttr(config["module"]).value_bytes)
+                        texts.append(module.operation.get_asm(enable_debug_info=False))
+                    walk(inner)
+
+    with stablehlo.context as context:
+        context.allow_unregistered_dialects = True  # Mosaic GPU's dialects, where unloaded
+        walk(stablehlo.operation)
+    return texts
+
+
 @dataclasses.dataclass(frozen=True)
 class InlinePtx:
     """One inline PTX program a kernel emitted (`mgpu_utils.inline_ptx`): its text, with

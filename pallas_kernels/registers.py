@@ -13,6 +13,8 @@ notes ptxas adds (C75xx: a `setmaxnreg` it ignored, wgmmas it serialized) or its
 
 The PTX is the same program at every split (only the two counts change), so the differences
 are ptxas's alone; ptxas is the assembler on PATH, which need not be the one Mosaic GPU ran.
+`--wgmma-columns N` first splits every wider wgmma into ones of N columns
+(`with_wgmma_columns`): the registers of a kernel changed that way, before it is.
 """
 
 from __future__ import annotations
@@ -44,6 +46,40 @@ def with_split(ptx: str, consumers: int, producers: int) -> str:
         raise ValueError("ptx: expected a setmaxnreg.inc and a setmaxnreg.dec, found not both")
     ptx = _INC.sub(f"setmaxnreg.inc.sync.aligned.u32 {consumers};", ptx)
     return _DEC.sub(f"setmaxnreg.dec.sync.aligned.u32 {producers};", ptx)
+
+
+_WGMMA = re.compile(
+    r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{([^}]*)\}, ([^;]*);"
+)
+
+
+def with_wgmma_columns(ptx: str, columns: int) -> str:
+    """`ptx` with every float32-accumulating bf16 wgmma of more than `columns` output columns
+    issued as several of `columns` each, over consecutive parts of its accumulator registers:
+    what ptxas makes of a kernel whose wide wgmma is split, asked of the PTX before the kernel
+    is. The operands after the accumulator (descriptors, scales) are kept as they are, so the
+    program computes something else; its registers are the split kernel's, its results not.
+
+    Raises:
+      ValueError: `columns` is not a multiple of 8 in [8, 256], or it does not divide the
+        columns of a wgmma it splits."""
+    if columns % 8 or not 8 <= columns <= 256:
+        raise ValueError(f"columns: expected a multiple of 8 in [8, 256], got {columns}")
+
+    def split(match: re.Match) -> str:
+        width, accumulator, rest = int(match[1]), match[2].split(","), match[3]
+        if width <= columns:
+            return match[0]
+        if width % columns:
+            raise ValueError(f"columns: expected a divisor of the wgmma's {width}, got {columns}")
+        per = len(accumulator) * columns // width
+        return " ".join(
+            f"wgmma.mma_async.sync.aligned.m64n{columns}k16.f32.bf16.bf16 "
+            f"{{{','.join(accumulator[i : i + per])}}}, {rest};"
+            for i in range(0, len(accumulator), per)
+        )
+
+    return _WGMMA.sub(split, ptx)
 
 
 def assemble(ptx: str, arch: str = "sm_90a") -> dict:
@@ -97,11 +133,14 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         split = f"{r['consumers']} / {r['producers']}"
         notes = "; ".join(r["notes"])
+        program = r["program"]
+        if "wgmma_columns" in r:
+            program += f", wgmmas split to {r['wgmma_columns']} columns"
         if "fatal" in r:
-            lines.append(f"| {r['program']} | {split} | refused: {r['fatal']} |  |  |  | {notes} |")
+            lines.append(f"| {program} | {split} | refused: {r['fatal']} |  |  |  | {notes} |")
             continue
         lines.append(
-            f"| {r['program']} | {split} | {r['registers']} | {r['stack_bytes']} B | "
+            f"| {program} | {split} | {r['registers']} | {r['stack_bytes']} B | "
             f"{r['spill_store_bytes']} B | {r['spill_load_bytes']} B | {notes} |"
         )
     return "\n".join(lines)
@@ -114,6 +153,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--splits", nargs="+", default=["224/56", "208/96"], help="consumers/producers"
     )
     parser.add_argument("--programs", nargs="+", help="only these (folder names); default all")
+    parser.add_argument(
+        "--wgmma-columns",
+        type=int,
+        help="first split every wider wgmma into ones of this many columns (registers only)",
+    )
     parser.add_argument("--out", type=Path, help="the rows as JSON")
     args = parser.parse_args(argv)
     programs = read_ptx(args.paths)
@@ -128,8 +172,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         except ValueError:
             parser.error(f"--splits: expected CONSUMERS/PRODUCERS such as 208/96, got {split!r}")
         splits.append((consumers, producers))
+    if args.wgmma_columns:
+        try:
+            columns = args.wgmma_columns
+            programs = {name: with_wgmma_columns(ptx, columns) for name, ptx in programs.items()}
+        except ValueError as error:
+            parser.error(f"--wgmma-columns: {error}")
     rows = [
-        {"program": name, "consumers": c, "producers": p} | assemble(with_split(ptx, c, p))
+        {"program": name, "consumers": c, "producers": p}
+        | ({"wgmma_columns": args.wgmma_columns} if args.wgmma_columns else {})
+        | assemble(with_split(ptx, c, p))
         for name, ptx in programs.items()
         for c, p in splits
     ]

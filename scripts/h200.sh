@@ -531,7 +531,8 @@ if [[ $stage == two_producers ]]; then
   # (bench label `specialized_two_producers`). Its 16 GPU tests, then RUNS (default 2) runs
   # of the default beside `specialized_async_keys` (one producer). Guards 150 + RUNS x 100 s.
   # Run in the twenty-fifth session (H100): the 8 tests at D = 256 pass; the 8 at D = 512 and
-  # the benchmark's rows did not compile (ptxas, 128 registers a thread), refused by name since.
+  # the benchmark's rows did not compile (ptxas, 128 registers a thread: PV's n = 256 wgmma).
+  # Since the twenty-sixth, two producers issue PV as wgmmas of 128 columns (`PV_COLUMNS`).
   attention_check two_producers 150 "specialized_kernel_matches and keys-2" "${RUNS:-2}" 100 \
     --batches 64 128 --variants specialized_async_keys specialized_two_producers
 fi

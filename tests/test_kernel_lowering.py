@@ -326,7 +326,7 @@ ATTENTION_VARIANTS = {
         for label in (
             *("exchange", "async_gather", "q_overlap", "behind_pv"),
             *("no_topk_gather", "no_topk_decode", "pipelined", "xla_slots", "split_keys"),
-            # (Two producers write the same inline PTX as one, and take D = 256 only.)
+            # (Two producers write the same inline PTX as one.)
             *("specialized", "specialized_async", "specialized_async_keys"),
         )
     },

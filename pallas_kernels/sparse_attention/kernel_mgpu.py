@@ -380,9 +380,10 @@ class TuningConfig:
         in each of four paired runs on an H100 by 0.20 µs of 28.68 (NOTES.md; `bench.py
         --variants merge_unrolled` times the unrolled merge).
       producers: ('specialized' only) its producer warpgroups: 1 decodes both halves of D of
-        every chunk; 2 decode one half each (four warpgroups, `SPECIALIZED_REGISTERS`), at
-        D = 256 only: at 512, ptxas refuses PV's wgmma, which needs 154 registers a thread
-        where four warpgroups start at 128 (an H100, 2026-12-07; NOTES.md).
+        every chunk; 2 decode one half each (four warpgroups, `SPECIALIZED_REGISTERS`), whose
+        consumers issue PV as wgmmas of `PV_COLUMNS` columns (one of D/2 columns needs more
+        registers than four warpgroups start with: refused by ptxas at D = 512 on an H100,
+        2026-12-07; NOTES.md).
       registers: ('specialized' only) the per-thread registers (consumers, producers) each
         role asks for with `setmaxnreg`, multiples of 8 in [24, 256] whose sum over the
         warpgroups is at most 512 (65,536 registers a CTA); None: `SPECIALIZED_REGISTERS`.
@@ -1267,6 +1268,27 @@ def _merge_splits(
         plgpu.wait_smem_to_gmem(0)
 
 
+PV_COLUMNS = 128
+"""The columns of one PV wgmma in the four-warpgroup kernel (`producers=2`): its D/2 = 256
+output columns at D = 512 as two wgmmas of 64 float32 accumulator registers a thread each.
+Four warpgroups start at 65,536 / 512 = 128 registers a thread, and ptxas wants every
+instruction to fit that count whatever `setmaxnreg` raises it to later: one n = 256 wgmma
+holds 128 accumulator registers and was refused, "register target of 154" (an H100,
+2026-12-07); the two of 128 assemble (`pallas_kernels.registers` on that PTX with each split
+by hand; NOTES.md)."""
+
+
+def _pv(acc_ref, p, v_ref, columns: int, width: int) -> None:
+    """acc_ref [64, width] += p [64, keys] · v_ref [keys, width], as `width / columns` wgmmas
+    of `columns` output columns each (one, unsliced, where `columns` >= `width`)."""
+    if columns >= width:
+        plgpu.wgmma(acc_ref, p, v_ref)
+        return
+    for i in range(width // columns):
+        part = pl.ds(i * columns, columns)
+        plgpu.wgmma(acc_ref.at[:, part], p, v_ref.at[:, part])
+
+
 SPECIALIZED_REGISTERS = {1: (224, 56), 2: (184, 72)}
 """Per-thread registers (consumers, producers) of the warp-specialized kernel's roles
 (`setmaxnreg`) by its number of producer warpgroups: 2 · 224 + 56 = 504 of the 512 per lane
@@ -1335,6 +1357,7 @@ def _specialized_kernel(
     heads = pl.ds(g * BLOCK_HEADS, BLOCK_HEADS)
     lo, hi = _split_range(split, splits, n_window_chunks, n_topk_chunks)
     consumer_registers, producer_registers = registers
+    pv_columns = PV_COLUMNS if producers == 2 else half  # four warpgroups: `PV_COLUMNS`
     staged = gather == "async"
     optional = list(optional)
     staging = optional.pop(0) if staged else None
@@ -1446,7 +1469,7 @@ def _specialized_kernel(
                 else:
 
                     def pv_shared(acc_ref):  # P from the shared tile
-                        plgpu.wgmma(acc_ref, shared.p_tile, tile.at[wg])
+                        _pv(acc_ref, shared.p_tile, tile.at[wg], pv_columns, half)
 
                     acc = pl.run_state(pv_shared)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(empty_barriers.at[slot])
@@ -1457,7 +1480,7 @@ def _specialized_kernel(
             else:
 
                 def pv(acc_ref):  # accumulates onto acc in place; run_state awaits it on exit
-                    plgpu.wgmma(acc_ref, p16, tile.at[wg])
+                    _pv(acc_ref, p16, tile.at[wg], pv_columns, half)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(empty_barriers.at[slot])
@@ -2102,15 +2125,6 @@ def fp4_sparse_attention_mgpu(
         raise ValueError(
             f"config.merge_columns: expected a divisor of D/2 = {geometry.half}, got "
             f"{config.merge_columns}"
-        )
-    if config.kernel == "specialized" and config.producers == 2 and geometry.half > 128:
-        # Four warpgroups start at 65,536 / 512 = 128 registers a thread, and ptxas wants every
-        # instruction to fit that count whatever `setmaxnreg` raises it to: PV's wgmma into a
-        # [64, D/2] float32 accumulator holds 128 of them at D = 512 (NOTES.md, 2026-12-07).
-        raise ValueError(
-            f"config.producers: 2 only at D <= 256 (PV's accumulator of D/2 columns in one "
-            f"wgmma must fit the 128 registers a thread of four warpgroups), got D = "
-            f"{geometry.half * 2}"
         )
     if config.ablation in ("no_topk_gather", "no_topk_decode") and dequant_kind != "ptx":
         raise ValueError(
