@@ -49,11 +49,14 @@ MGPU_VARIANTS = {
     "specialized_two_producers": kernel_mgpu.TuningConfig(
         kernel="specialized", gather="async", qk="keys", producers=2
     ),
-    "specialized_async_keys_r208": kernel_mgpu.TuningConfig(
-        kernel="specialized", gather="async", qk="keys", registers=(208, 96)
+    "specialized_two_producers_r176": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys", producers=2, registers=(176, 80)
+    ),
+    "specialized_async_keys_r200": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys", registers=(200, 104)
     ),
     "specialized_async_keys_r192": kernel_mgpu.TuningConfig(
-        kernel="specialized", gather="async", qk="keys", registers=(192, 128)
+        kernel="specialized", gather="async", qk="keys", registers=(192, 120)
     ),
     "splits1": kernel_mgpu.TuningConfig(splits=1),
     "registers": kernel_mgpu.TuningConfig(kernel="exchange", gather="registers"),

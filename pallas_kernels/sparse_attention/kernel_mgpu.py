@@ -214,6 +214,14 @@ HEAD_DIMS = (256, 512)
 """The head dims (D) the kernel takes: two warpgroups each hold D/2 columns in 64-wide tiles."""
 
 
+def entry_registers(warpgroups: int) -> int:
+    """The registers a thread of a CTA of `warpgroups` 128-thread warpgroups starts with, one
+    CTA an SM (Mosaic GPU's PTX says `.minnctapersm 1`): 65,536 shared out, rounded down to the
+    8 a warp's allocation comes in (168 for three warpgroups, 128 for four, as ptxas reports).
+    The CTA's `setmaxnreg` pool holds these and no more."""
+    return 65_536 // (128 * warpgroups) // 8 * 8
+
+
 def supports(*, kv_fmt: str, window_fmt: str, dim: int) -> Support:
     """Whether the kernel takes attention over `kv_fmt` main-KV rows and `window_fmt` window
     rows of `dim` values: NVFP4 main KV, FP8 window, D in `HEAD_DIMS`. Any head count (padded
@@ -386,8 +394,12 @@ class TuningConfig:
         2026-12-07; NOTES.md).
       registers: ('specialized' only) the per-thread registers (consumers, producers) each
         role asks for with `setmaxnreg`, multiples of 8 in [24, 256] whose sum over the
-        warpgroups is at most 512 (65,536 registers a CTA); None: `SPECIALIZED_REGISTERS`.
-        ptxas spills the producer's decode at 56 registers and not at 96 or more (NOTES.md).
+        warpgroups is at most what they start with together (`entry_registers`: 3 × 168 =
+        504 for three, 4 × 128 = 512 for four): an `inc` takes registers only from those its
+        own CTA's `dec`s released, and waits for them forever otherwise (at 208 / 96, 512 of
+        504, the benchmark hung on an H100, 2026-12-08). None: `SPECIALIZED_REGISTERS`.
+        ptxas spills the one producer's decode at 56 registers and not at 104 or more
+        (NOTES.md).
     """
 
     dequant: str = "ptx"
@@ -424,12 +436,16 @@ class TuningConfig:
                     f"[24, 256], got {self.registers!r}"
                 )
             consumers, producers = self.registers
-            if 2 * consumers + self.producers * producers > 512:
+            warpgroups = 2 + self.producers
+            pool = warpgroups * entry_registers(warpgroups)
+            if 2 * consumers + self.producers * producers > pool:
                 raise ValueError(
                     f"registers: 2 consumer and {self.producers} producer warpgroups at "
                     f"{self.registers} ask for {2 * consumers + self.producers * producers} "
-                    "registers a thread summed over the warpgroups, expected at most 512 "
-                    "(65,536 a CTA of 128-thread warpgroups)"
+                    f"registers a thread summed over the warpgroups, expected at most {pool} "
+                    f"({warpgroups} × the {entry_registers(warpgroups)} each starts with: "
+                    "setmaxnreg.inc waits for what the CTA's own warpgroups released, forever "
+                    "if they released too little)"
                 )
         if self.producers == 2 and self.kernel != "specialized":
             raise ValueError(
@@ -1291,9 +1307,9 @@ def _pv(acc_ref, p, v_ref, columns: int, width: int) -> None:
 
 SPECIALIZED_REGISTERS = {1: (224, 56), 2: (184, 72)}
 """Per-thread registers (consumers, producers) of the warp-specialized kernel's roles
-(`setmaxnreg`) by its number of producer warpgroups: 2 · 224 + 56 = 504 of the 512 per lane
-that 65,536 registers give three warpgroups; 2 · 184 + 2 · 72 = 512 of four warpgroups'
-512 (128 each)."""
+(`setmaxnreg`) by its number of producer warpgroups: 2 · 224 + 56 = 504, all that three
+warpgroups start with (`entry_registers(3)` = 168 each); 2 · 184 + 2 · 72 = 512, all of four
+warpgroups' 128 each."""
 
 
 def _specialized_kernel(
