@@ -235,12 +235,16 @@ def check_variant_compiled(tuning, case, seed):
         (3, 256, 2, None, "keys"),
     ],
 )
-@pytest.mark.parametrize(("producers", "registers"), [(1, None), (2, None), (1, (200, 104))])
-def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers, registers):
+@pytest.mark.parametrize(
+    ("producers", "registers", "slots"),
+    [(1, None, None), (2, None, None), (1, (200, 104), None), (2, None, "kernel")],
+)
+def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers, registers, slots):
     """The warp-specialized kernel has no interpreted CPU case: at least its Pallas program
     lowers for the H200 here (`pallas_kernels.lowering`), at the GPU tests' shapes, its words
     loaded or staged, its consumers splitting the keys or not, its registers split as by
-    default or as given (one split: the default shape of batch 128, 10 chunks per CTA). PV is
+    default or as given (one split: the default shape of batch 128, 10 chunks per CTA), its
+    slots copied in or built by its four warpgroups (`slots='kernel'`). PV is
     one wgmma of D/2 columns, except with two producers: wgmmas of `PV_COLUMNS`, which four
     warpgroups' 128 registers a thread fit (ptxas refused the one of 256 columns)."""
     batch, n_kv, topk, window = 2, 4096, 512, 128
@@ -251,6 +255,7 @@ def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers, re
         qk=qk,
         producers=producers,
         registers=registers,
+        slots=slots,
     )
     attend = functools.partial(
         api.fp4_sparse_attention, implementation="pallas", config=api.Config(mgpu=tuning)
@@ -499,17 +504,24 @@ def test_the_merge_loop_is_the_unrolled_merge_bit_for_bit_gpu(case, splits, colu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
 @pytest.mark.parametrize("splits", (None, 3))
-def test_the_slots_built_in_the_kernel_are_xlas_gpu(case, splits):
-    """`slots='kernel'` (`_slot_builder`; the pipelined kernel's default): the kernel builds
-    its slots from the window flags and the indices as given. Against the definition
+@pytest.mark.parametrize(
+    "kernel",
+    [{}, dict(kernel="specialized", gather="async", qk="keys", producers=2)],
+    ids=("pipelined", "specialized_two_producers"),
+)
+def test_the_slots_built_in_the_kernel_are_xlas_gpu(case, splits, kernel):
+    """`slots='kernel'` (`_slot_builder`; the pipelined kernel's default, an option of the
+    specialized kernel's, whose four warpgroups all build): the kernel builds its slots from
+    the window flags and the indices as given. Against the definition
     (`check_variant_compiled`: ragged rows, −1 and out-of-range indices, duplicates, an empty
     row, no window, no top-k), and bit for bit against the same kernel reading the slots an
     XLA op made: the same slots, so the same output."""
-    check_variant_compiled(kernel_mgpu.TuningConfig(slots="kernel", splits=splits), case, 23)
+    tuning = functools.partial(kernel_mgpu.TuningConfig, splits=splits, **kernel)
+    check_variant_compiled(tuning(slots="kernel"), case, 23)
     args = make_case(24, **{**GPU_CASES, **CPU_CASES}[case])
     outs = {}
     for slots in ("kernel", "xla"):
-        config = api.Config(mgpu=kernel_mgpu.TuningConfig(slots=slots, splits=splits))
+        config = api.Config(mgpu=tuning(slots=slots))
         outs[slots] = np.asarray(jax.jit(attention_fn("mgpu", config=config))(*args), np.float32)
     np.testing.assert_array_equal(outs["kernel"], outs["xla"])
 
@@ -532,7 +544,11 @@ def test_the_merge_and_the_slots_run_in_the_pipelined_kernel_by_default():
     assert default.builds_slots()
     assert not kernel_mgpu.TuningConfig(slots="xla").builds_slots()
     assert not kernel_mgpu.TuningConfig(kernel="exchange").builds_slots()
-    with pytest.raises(ValueError, match="slots: 'kernel' only with kernel='pipelined', got "):
+    assert kernel_mgpu.TuningConfig(kernel="specialized", slots="kernel").builds_slots()
+    assert not kernel_mgpu.TuningConfig(kernel="specialized").builds_slots()
+    with pytest.raises(
+        ValueError, match="slots: 'kernel' only with kernel='pipelined' or 'specialized', got "
+    ):
         kernel_mgpu.TuningConfig(kernel="exchange", slots="kernel")
     with pytest.raises(ValueError, match=r"slots: expected None or one of \('kernel', 'xla'\)"):
         kernel_mgpu.TuningConfig(slots="smem")

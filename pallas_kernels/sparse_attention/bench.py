@@ -49,6 +49,9 @@ MGPU_VARIANTS = {
     "specialized_two_producers": kernel_mgpu.TuningConfig(
         kernel="specialized", gather="async", qk="keys", producers=2
     ),
+    "specialized_two_producers_slots": kernel_mgpu.TuningConfig(
+        kernel="specialized", gather="async", qk="keys", producers=2, slots="kernel"
+    ),
     "specialized_two_producers_r176": kernel_mgpu.TuningConfig(
         kernel="specialized", gather="async", qk="keys", producers=2, registers=(176, 80)
     ),

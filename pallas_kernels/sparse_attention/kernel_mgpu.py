@@ -341,14 +341,15 @@ class TuningConfig:
       slots: where each query's key slots (the window row or top-k index of every key of a
         chunk, −1 to skip) are made; None: 'kernel' for the pipelined kernel, else 'xla'
         (`builds_slots`). 'kernel' (the pipelined kernel's default since 2026-12-06,
-        thirteenth session; on the GPU: interpret mode makes them in XLA):
-        the CTA's threads build them from the window flags and the indices as given, in its
-        prologue (`_slot_builder`), and no XLA op runs before the kernel. 'xla' (the only one
-        for the other kernels): an XLA op before the kernel (1.6 to 1.8 µs on an H100), whose
-        result the kernel copies in. The two give the same bits on every GPU case
-        (`test_the_slots_built_in_the_kernel_are_xlas_gpu`, H100, 2026-12-06); the whole call
-        was 1.7 µs shorter at batch 64 and 1.8 µs at 128 on the H100 (NOTES.md), where the
-        kernel itself did not change.
+        thirteenth session; an option of the specialized kernel's since 2026-12-08, where all
+        its warpgroups build them before they part into roles; on the GPU: interpret mode
+        makes them in XLA): the CTA's threads build them from the window flags and the
+        indices as given, in its prologue (`_slot_builder`), and no XLA op runs before the
+        kernel. 'xla' (the only one for the exchange kernel): an XLA op before the kernel
+        (1.6 to 1.8 µs on an H100), whose result the kernel copies in. The two give the same
+        bits on every GPU case (`test_the_slots_built_in_the_kernel_are_xlas_gpu`, H100,
+        2026-12-06); the whole call was 1.7 µs shorter at batch 64 and 1.8 µs at 128 on the
+        H100 (NOTES.md), where the kernel itself did not change.
       qk: ('pipelined' only) how its two warpgroups share QK^T; None: 'keys', unless only
         'heads' leaves room for a preferred staged gather or the P tile does not fit
         (`resolve_pipelined`; at D = 512: past 12 chunks at one split, past 11 at two splits
@@ -460,9 +461,10 @@ class TuningConfig:
             )
         if self.slots not in (None, *SLOT_SOURCES):
             raise ValueError(f"slots: expected None or one of {SLOT_SOURCES}, got {self.slots!r}")
-        if self.slots == "kernel" and self.kernel != "pipelined":
+        if self.slots == "kernel" and self.kernel not in ("pipelined", "specialized"):
             raise ValueError(
-                f"slots: 'kernel' only with kernel='pipelined', got kernel={self.kernel!r}"
+                "slots: 'kernel' only with kernel='pipelined' or 'specialized', got "
+                f"kernel={self.kernel!r}"
             )
         if self.merge not in (None, *MERGES):
             raise ValueError(f"merge: expected None or one of {MERGES}, got {self.merge!r}")
@@ -519,7 +521,10 @@ class TuningConfig:
 
     def builds_slots(self) -> bool:
         """Whether the kernel builds its key slots itself (`slots`): the pipelined kernel does
-        unless told 'xla'; the others read the slots an XLA op made."""
+        unless told 'xla', the specialized kernel when told 'kernel'; the others read the
+        slots an XLA op made."""
+        if self.kernel == "specialized":
+            return self.slots == "kernel"
         return self.kernel == "pipelined" and self.slots != "xla"
 
     def gather_for(self, splits: int, staging_fits: bool = True) -> str:
@@ -1381,13 +1386,22 @@ def _specialized_kernel(
         shared = _SplitKeys(*(optional.pop(0) for _ in range(3)))
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
-    # One copy of the slots, brought by consumer 0, read by every warpgroup (a copy each took
-    # 5 KB more at top-512: what the staged words beside the split keys' P tile lacked).
+    # One copy of the slots, read by every warpgroup (a copy each took 5 KB more at top-512:
+    # what the staged words beside the split keys' P tile lacked): brought by consumer 0, or
+    # built by every thread of the CTA (`_RawSlots`), before the warpgroups part into roles.
     slots_bar = load_barriers.at[1]
+    raw_slots = isinstance(slots_ref, _RawSlots)
+    if raw_slots:
+        slots_ref.build(slots_ref.valid.at[b], slots_ref.indices.at[b], slots_smem)
+    else:
 
-    @pl.when(wg == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(slots_ref.at[b], slots_smem, slots_bar)
+
+    def await_slots():
+        if not raw_slots:  # built ones are there: the build ends in the CTA's barrier
+            plgpu.barrier_wait(slots_bar)
 
     def chunk_slots(chunk):
         return slots_smem.at[chunk]
@@ -1397,7 +1411,7 @@ def _specialized_kernel(
         for each of two)."""
         plgpu.set_max_registers(producer_registers, action="decrease")
         kv_rows, win_rows = kv_ref.at[b], win_ref.at[b]
-        plgpu.barrier_wait(slots_bar)
+        await_slots()
         mine = [(h, dequant[h]) for h in halves]
 
         def stage(c):  # start the copies of top-k chunk c's words, this producer's halves
@@ -1454,7 +1468,7 @@ def _specialized_kernel(
         q_bar, sink_bar = load_barriers.at[3 * wg], load_barriers.at[3 * wg + 2]
         plgpu.copy_gmem_to_smem(q_ref.at[b, heads, pl.ds(wg * half, half)], q_smem.at[wg], q_bar)
         plgpu.copy_gmem_to_smem(sink_ref.at[heads], sink_smem.at[wg], sink_bar)
-        plgpu.barrier_wait(slots_bar)
+        await_slots()
         plgpu.barrier_wait(sink_bar)
         acc, m, denom = _open_softmax(sink_smem.at[wg], half, split)
         if split_keys:
@@ -1550,14 +1564,22 @@ def _byte_row_address(row: ir.Value) -> ir.Value:
     return arith.addi(aligned, llvm.extractvalue(i64, desc, [2]))
 
 
-def _slot_builder(*, n_window: int, n_topk: int, n_kv: int, n_window_chunks: int, n_chunks: int):
+def _slot_builder(
+    *,
+    n_window: int,
+    n_topk: int,
+    n_kv: int,
+    n_window_chunks: int,
+    n_chunks: int,
+    warpgroups: int = 2,
+):
     """The slots of one query, built in the kernel from the call's raw arrays (GPU only): every
-    thread of the CTA (two warpgroups) loads a few window flags (bytes) and top-k indices and
+    thread of the CTA (`warpgroups`) loads a few window flags (bytes) and top-k indices and
     stores their slots, as `fp4_sparse_attention_mgpu` makes them in XLA: window row w where it
     is valid, top-k index i where 0 <= i < n_kv, −1 elsewhere and in the padding of the last
-    chunk of each part; then a barrier of the whole CTA (`bar.sync 0`, all 256 threads), after
-    which both warpgroups read them. Saves the XLA op that built them (1.6 to 1.8 µs)."""
-    threads, total = 2 * WARPGROUP, n_chunks * BLOCK_KV
+    chunk of each part; then a barrier of the whole CTA (`bar.sync 0`, all its threads), after
+    which every warpgroup reads them. Saves the XLA op that built them (1.6 to 1.8 µs)."""
+    threads, total = warpgroups * WARPGROUP, n_chunks * BLOCK_KV
     window_end = n_window_chunks * BLOCK_KV
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
@@ -2275,6 +2297,7 @@ def fp4_sparse_attention_mgpu(
             n_kv=n_kv,
             n_window_chunks=n_window_chunks,
             n_chunks=n_chunks,
+            warpgroups=warpgroups,
         )
         valid = window_valid if n_window else jnp.zeros((batch, 1), jnp.bool_)
         index = indices.astype(jnp.int32) if n_topk else jnp.full((batch, 1), -1, jnp.int32)
