@@ -541,22 +541,24 @@ if [[ $stage == registers ]]; then
   # 208 / 96, more than three warpgroups start with, and the benchmark hung in
   # `setmaxnreg.inc` (`TuningConfig` refuses such splits since). Now the two producers (PV as
   # 128-column wgmmas: faster than the default at batch 128 on an H100) beside their slots
-  # built in the kernel (`specialized_two_producers_slots`) and their registers at 176 / 80,
-  # and the one producer at 200 / 104 (no spills): the GPU tests of a register split and of
-  # the built slots (20), RUNS (default 2) runs of the benchmark at batches 64 and 128, then
-  # Mosaic GPU's PTX of the two producers with ptxas's report. Guards 150 + RUNS x 170 + 60 s,
-  # each killing 15 s after its interrupt (a process whose kernel hangs ignores SIGINT).
-  timeout -s INT -k 15 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+  # built in the kernel (`_slots`), that and their splits merged in the kernel (`_merge`),
+  # their registers at 176 / 80, and the one producer at 200 / 104 (no spills): the GPU
+  # tests of a register split, of the built slots and of the merge (28), RUNS (default 1)
+  # runs of the benchmark at batches 64 and 128, then Mosaic GPU's PTX of the two producers
+  # with ptxas's report. Guards 170 + RUNS x 180 + 60 s, each killing 15 s after its
+  # interrupt (a process whose kernel hangs ignores SIGINT).
+  timeout -s INT -k 15 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_sparse_attention_kernel.py \
-    -k "register_split or (slots_built and specialized_two_producers)" 2>&1 | tail -4 \
-    | tee "$OUT/gpu_tests_registers.log" || status=1
-  for run in $(seq "${RUNS:-2}"); do
-    timeout -s INT -k 15 170 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
+    -k "register_split or ((slots_built or merge_in_the_kernel) and specialized_two_producers)" \
+    2>&1 | tail -4 | tee "$OUT/gpu_tests_registers.log" || status=1
+  for run in $(seq "${RUNS:-1}"); do
+    timeout -s INT -k 15 180 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
       --batches 64 128 --variants specialized_two_producers specialized_two_producers_slots \
-      specialized_two_producers_r176 specialized_async_keys_r200 \
+      specialized_two_producers_merge specialized_two_producers_r176 \
+      specialized_async_keys_r200 \
       --out "$OUT/bench_sparse_attention_registers_run$run.json" >/dev/null || status=1
   done
-  VARIANTS=specialized_two_producers bash "$0" attention_ptxas || status=1
+  VARIANTS=specialized_two_producers_merge bash "$0" attention_ptxas || status=1
 fi
 if [[ $stage == decode_pairs ]]; then
   # Two versions of the decode step side by side (the twenty-first session's, run inline then):

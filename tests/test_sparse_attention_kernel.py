@@ -236,15 +236,24 @@ def check_variant_compiled(tuning, case, seed):
     ],
 )
 @pytest.mark.parametrize(
-    ("producers", "registers", "slots"),
-    [(1, None, None), (2, None, None), (1, (200, 104), None), (2, None, "kernel")],
+    ("producers", "registers", "slots", "merge"),
+    [
+        (1, None, None, None),
+        (2, None, None, None),
+        (1, (200, 104), None, None),
+        (2, None, "kernel", "kernel"),
+    ],
 )
-def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers, registers, slots):
+def test_specialized_kernel_lowers(
+    heads, dim, splits, gather, qk, producers, registers, slots, merge
+):
     """The warp-specialized kernel has no interpreted CPU case: at least its Pallas program
     lowers for the H200 here (`pallas_kernels.lowering`), at the GPU tests' shapes, its words
     loaded or staged, its consumers splitting the keys or not, its registers split as by
     default or as given (one split: the default shape of batch 128, 10 chunks per CTA), its
-    slots copied in or built by its four warpgroups (`slots='kernel'`). PV is
+    slots copied in or built by its four warpgroups (`slots='kernel'`), its splits merged in
+    XLA or, one cluster, by its consumers (`merge='kernel'`: one Mosaic GPU call and no XLA op
+    after it at more than one split). PV is
     one wgmma of D/2 columns, except with two producers: wgmmas of `PV_COLUMNS`, which four
     warpgroups' 128 registers a thread fit (ptxas refused the one of 256 columns)."""
     batch, n_kv, topk, window = 2, 4096, 512, 128
@@ -256,6 +265,7 @@ def test_specialized_kernel_lowers(heads, dim, splits, gather, qk, producers, re
         producers=producers,
         registers=registers,
         slots=slots,
+        merge=merge,
     )
     attend = functools.partial(
         api.fp4_sparse_attention, implementation="pallas", config=api.Config(mgpu=tuning)
@@ -464,19 +474,28 @@ def test_keys_split_between_the_warpgroups_match_reference_gpu(case, splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU as jax's default backend")
 @pytest.mark.parametrize("case", [*GPU_CASES, *CPU_CASES], ids=str)
-@pytest.mark.parametrize("splits", (2, 3, 4))
-def test_the_merge_in_the_kernel_equals_the_merge_in_xla_gpu(case, splits):
-    """`merge='kernel'` (the pipelined kernel's default at two splits; GPU only,
-    `_merge_splits`): the splits of a query meet as one cluster and merge their partials in the
-    kernel, here at any number of splits. Against the definition (`check_variant_compiled`),
-    and against `merge='xla'` on the same partials: the two sum the same bf16 partials with the
-    same float32 weights, so they differ at most in the rounding of the last bf16 bit, never in
-    which values are finite."""
-    check_variant_compiled(kernel_mgpu.TuningConfig(splits=splits, merge="kernel"), case, 21)
+@pytest.mark.parametrize(
+    ("splits", "kernel"),
+    [
+        *((splits, {}) for splits in (2, 3, 4)),
+        (2, dict(kernel="specialized", gather="async", qk="keys", producers=2, slots="kernel")),
+    ],
+    ids=("pipelined-2", "pipelined-3", "pipelined-4", "specialized_two_producers-2"),
+)
+def test_the_merge_in_the_kernel_equals_the_merge_in_xla_gpu(case, splits, kernel):
+    """`merge='kernel'` (the pipelined kernel's default at two splits, an option of the
+    specialized kernel's, whose two consumers merge; GPU only, `_merge_splits`): the splits of
+    a query meet as one cluster and merge their partials in the kernel, here at any number of
+    splits. Against the definition (`check_variant_compiled`), and against `merge='xla'` on
+    the same partials: the two sum the same bf16 partials with the same float32 weights, so
+    they differ at most in the rounding of the last bf16 bit, never in which values are
+    finite."""
+    tuning = functools.partial(kernel_mgpu.TuningConfig, splits=splits, **kernel)
+    check_variant_compiled(tuning(merge="kernel"), case, 21)
     args = make_case(22, **{**GPU_CASES, **CPU_CASES}[case])
     merged = {}
     for merge in ("kernel", "xla"):
-        config = api.Config(mgpu=kernel_mgpu.TuningConfig(splits=splits, merge=merge))
+        config = api.Config(mgpu=tuning(merge=merge))
         merged[merge] = np.asarray(jax.jit(attention_fn("mgpu", config=config))(*args), np.float32)
     np.testing.assert_allclose(merged["kernel"], merged["xla"], rtol=2**-7, atol=1e-6)
 
@@ -537,7 +556,12 @@ def test_the_merge_and_the_slots_run_in_the_pipelined_kernel_by_default():
     assert [forced.merges_in_kernel(s) for s in (1, 2, 3, 4)] == [False, True, True, True]
     assert not kernel_mgpu.TuningConfig(merge="xla").merges_in_kernel(2)
     assert not kernel_mgpu.TuningConfig(kernel="exchange").merges_in_kernel(2)
-    with pytest.raises(ValueError, match="merge: 'kernel' only with kernel='pipelined', got "):
+    specialized = functools.partial(kernel_mgpu.TuningConfig, kernel="specialized")
+    assert not specialized().merges_in_kernel(2)  # told only
+    assert [specialized(merge="kernel").merges_in_kernel(s) for s in (1, 2, 3)] == [0, 1, 1]
+    with pytest.raises(
+        ValueError, match="merge: 'kernel' only with kernel='pipelined' or 'specialized', got "
+    ):
         kernel_mgpu.TuningConfig(kernel="exchange", merge="kernel")
     with pytest.raises(ValueError, match=r"merge: expected None or one of \('kernel', 'xla'\)"):
         kernel_mgpu.TuningConfig(merge="cluster")

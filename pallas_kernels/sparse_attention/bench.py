@@ -52,6 +52,14 @@ MGPU_VARIANTS = {
     "specialized_two_producers_slots": kernel_mgpu.TuningConfig(
         kernel="specialized", gather="async", qk="keys", producers=2, slots="kernel"
     ),
+    "specialized_two_producers_merge": kernel_mgpu.TuningConfig(
+        kernel="specialized",
+        gather="async",
+        qk="keys",
+        producers=2,
+        slots="kernel",
+        merge="kernel",
+    ),
     "specialized_two_producers_r176": kernel_mgpu.TuningConfig(
         kernel="specialized", gather="async", qk="keys", producers=2, registers=(176, 80)
     ),

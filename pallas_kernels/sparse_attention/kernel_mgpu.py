@@ -334,10 +334,11 @@ class TuningConfig:
         (four splits, a cluster of four) the whole call took 37.1 µs against 21.2 µs merged in
         XLA (H100, 2026-12-06, fourteenth session, two runs:
         `results/bench_sparse_attention_h100_2026-12-06_batch32_run{1,2}.json`), so the default
-        merges in the kernel at two splits only. GPU only: interpreted, a cluster's barrier
-        deadlocked on a 2-core CPU, so interpret mode merges in XLA. 'xla' (the only one for
-        the other kernels): `_combine_splits`, two XLA ops after the kernel (1.1 + 3.2 µs at
-        batch 64 on the H200, 2026-12-04).
+        merges in the kernel at two splits only. The specialized kernel merges so when told
+        'kernel' (its two consumers, since 2026-12-08). GPU only: interpreted, a cluster's
+        barrier deadlocked on a 2-core CPU, so interpret mode merges in XLA. 'xla' (the only
+        one for the exchange kernel): `_combine_splits`, two XLA ops after the kernel (1.1 +
+        3.2 µs at batch 64 on the H200, 2026-12-04).
       slots: where each query's key slots (the window row or top-k index of every key of a
         chunk, −1 to skip) are made; None: 'kernel' for the pipelined kernel, else 'xla'
         (`builds_slots`). 'kernel' (the pipelined kernel's default since 2026-12-06,
@@ -468,9 +469,10 @@ class TuningConfig:
             )
         if self.merge not in (None, *MERGES):
             raise ValueError(f"merge: expected None or one of {MERGES}, got {self.merge!r}")
-        if self.merge == "kernel" and self.kernel != "pipelined":
+        if self.merge == "kernel" and self.kernel not in ("pipelined", "specialized"):
             raise ValueError(
-                f"merge: 'kernel' only with kernel='pipelined', got kernel={self.kernel!r}"
+                "merge: 'kernel' only with kernel='pipelined' or 'specialized', got "
+                f"kernel={self.kernel!r}"
             )
         if self.ablation not in (None, *ABLATIONS):
             raise ValueError(
@@ -514,10 +516,11 @@ class TuningConfig:
         outputs in the kernel (`merge`): the pipelined kernel does when told 'kernel', and by
         default at two splits, where it was the faster (batch 64 on an H100, a cluster of two);
         a cluster of four was 16 µs slower than the merge in XLA (batch 32, H100, 2026-12-06),
-        and three splits were not timed. One split has nothing to merge."""
-        if splits < 2 or self.kernel != "pipelined" or self.merge == "xla":
+        and three splits were not timed. The specialized kernel merges when told 'kernel'. One
+        split has nothing to merge."""
+        if splits < 2 or self.kernel not in ("pipelined", "specialized") or self.merge == "xla":
             return False
-        return self.merge == "kernel" or splits == 2
+        return self.merge == "kernel" or (self.kernel == "pipelined" and splits == 2)
 
     def builds_slots(self) -> bool:
         """Whether the kernel builds its key slots itself (`slots`): the pipelined kernel does
@@ -1289,6 +1292,18 @@ def _merge_splits(
         plgpu.wait_smem_to_gmem(0)
 
 
+def _merge_scratch(splits: int) -> list:
+    """`_merge_splits`' shared memory, in its order: the splits' log2-sum-exps [splits, 64],
+    the barrier of the partials' halves, that of the log-sum-exps, and the cluster's barrier,
+    at which the two warpgroups that write the output of each CTA arrive."""
+    return [
+        plgpu.SMEM((splits, BLOCK_HEADS), jnp.float32),
+        plgpu.Barrier(num_arrivals=splits),  # a half of each split's partial
+        plgpu.Barrier(),  # the log-sum-exps
+        plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=2),
+    ]
+
+
 PV_COLUMNS = 128
 """The columns of one PV wgmma in the four-warpgroup kernel (`producers=2`): its D/2 = 256
 output columns at D = 512 as two wgmmas of 64 float32 accumulator registers a thread each.
@@ -1325,16 +1340,7 @@ def _specialized_kernel(
     sink_ref,
     o_ref,
     lse_ref,
-    q_smem,
-    k_smem,
-    slots_smem,
-    sink_smem,
-    lse_smem,
-    load_barriers,
-    full_barriers,
-    empty_barriers,
-    done_barrier,
-    *optional,
+    *refs,
     geometry: _Geometry,
     n_window_chunks: int,
     n_topk_chunks: int,
@@ -1346,13 +1352,18 @@ def _specialized_kernel(
     split_keys: bool = False,
     producers: int = 1,
     registers: tuple[int, int] = SPECIALIZED_REGISTERS[1],
+    merge: bool = False,
+    merge_columns: int | None = None,
 ):
     """The warp-specialized kernel (`TuningConfig(kernel='specialized')`, slower than the
     default on the H200: `NOTES.md`): warpgroups 0 and 1 compute, warpgroup 2 gathers and
     decodes. k_smem holds two key tiles [2 slots, 2 halves of D, 64 keys, D/2];
     chunk c lives in slot c % 2. `optional`: the staged gather's words
-    (`_Geometry.staging_shape`, one row per half of D) with gather='async'; the P tile, its
-    two barriers and the row exchange with `split_keys`; then P's buffer where interpreted.
+    (`_Geometry.staging_shape`, one row per half of D) with gather='async'; `_merge_splits`'
+    scratch with `merge`; the P tile, its two barriers and the row exchange with
+    `split_keys`; then P's buffer where interpreted. With `merge` (`TuningConfig.merge`),
+    `refs` starts with the merged output [B, H, D], the splits of a query and head group are
+    one cluster, and the two consumers merge as `_pipelined_kernel`'s two warpgroups do.
 
     - The producer (warpgroup 2; `SPECIALIZED_REGISTERS`): per chunk, waits until both
       consumers released the slot (`empty_barriers`), gathers and decodes both halves of D
@@ -1372,6 +1383,9 @@ def _specialized_kernel(
       (`_SplitKeys.softmax`: the row maxima swapped, P written into one shared tile that
       both PVs read): QK^T's tensor work is no longer done twice.
     """
+    final_ref, *refs = refs if merge else (None, *refs)
+    q_smem, k_smem, slots_smem, sink_smem, lse_smem, *refs = refs
+    load_barriers, full_barriers, empty_barriers, done_barrier, *optional = refs
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     half = geometry.half
@@ -1382,8 +1396,13 @@ def _specialized_kernel(
     staged = gather == "async"
     optional = list(optional)
     staging = optional.pop(0) if staged else None
+    merge_scratch = [optional.pop(0) for _ in range(4)] if merge else None
     if split_keys:  # the P tile, its barriers (maxima, P), the row exchange
-        shared = _SplitKeys(*(optional.pop(0) for _ in range(3)))
+        p_tile, key_barriers = (optional.pop(0) for _ in range(2))
+        # Merging, the rows are swapped through the merge's log-sum-exp stage, as in
+        # `_pipelined_kernel` (the 512 bytes that put this kernel 128 over at batch 64).
+        rows = merge_scratch[0].at[pl.ds(0, 2)] if merge else optional.pop(0)
+        shared = _SplitKeys(p_tile, key_barriers, rows)
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     # One copy of the slots, read by every warpgroup (a copy each took 5 KB more at top-512:
@@ -1519,6 +1538,8 @@ def _specialized_kernel(
         acc, m, denom = lax.fori_loop(lo, hi, step, (acc, m, denom))
         if split_keys:  # both consumers' shares of the row sums
             denom = shared.sum_rows(denom)
+            if merge:  # the exchange's stores, before a bulk copy rewrites them (`lse_stage`)
+                plgpu.commit_smem()
         # Once both consumers are done, no wgmma reads q: its buffer takes the output.
         plgpu.barrier_arrive(done_barrier)
         plgpu.barrier_wait(done_barrier)
@@ -1535,6 +1556,21 @@ def _specialized_kernel(
             heads=heads,
             splits=splits,
         )
+        if merge:  # no wgmma reads a tile any more: as `_pipelined_kernel`'s buffers
+            views = [k_smem.at[0, wg], k_smem.at[1, wg], q_smem.at[wg], k_smem.at[0, 1 - wg]]
+            _merge_splits(
+                o_ref,
+                lse_ref,
+                final_ref,
+                views[:splits],
+                *merge_scratch,
+                b=b,
+                split=split,
+                heads=heads,
+                splits=splits,
+                half=half,
+                pass_columns=merge_columns,
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2217,12 +2253,7 @@ def fp4_sparse_attention_mgpu(
         if gather == "async":  # `_pipelined_kernel`'s optional scratch, first
             optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
         if merge:  # then `_merge_splits`' log-sum-exps and barriers
-            optional += [
-                plgpu.SMEM((splits, BLOCK_HEADS), jnp.float32),
-                plgpu.Barrier(num_arrivals=splits),  # a half of each split's partial
-                plgpu.Barrier(),  # the log-sum-exps
-                plgpu.ClusterBarrier(collective_axes=("split",), num_arrivals=2),
-            ]
+            optional += _merge_scratch(splits)
         if split_keys:  # then the P tile, its barriers and (merging: the merge's) the rows
             optional += _SplitKeys.scratch(interpret, rows=not merge)
     elif config.kernel == "specialized":
@@ -2236,6 +2267,8 @@ def fp4_sparse_attention_mgpu(
             split_keys=split_keys,
             producers=config.producers,
             registers=config.registers or SPECIALIZED_REGISTERS[config.producers],
+            merge=merge,
+            merge_columns=config.merge_columns,
             **statics,
         )
         warpgroups = 2 + config.producers
@@ -2251,8 +2284,10 @@ def fp4_sparse_attention_mgpu(
         ]
         if gather == "async":  # `_specialized_kernel`'s optional scratch, first
             optional.append(plgpu.SMEM(geometry.staging_shape, jnp.int32))
-        if split_keys:  # then the P tile, its barriers, the rows
-            optional += _SplitKeys.scratch(interpret)
+        if merge:  # then `_merge_splits`' log-sum-exps and barriers
+            optional += _merge_scratch(splits)
+        if split_keys:  # then the P tile, its barriers and (merging: the merge's) the rows
+            optional += _SplitKeys.scratch(interpret, rows=not merge)
     else:
         gather = config.gather_for(splits)
         kernel = functools.partial(
