@@ -550,7 +550,7 @@ if [[ $stage == registers ]]; then
   timeout -s INT -k 15 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_sparse_attention_kernel.py \
     -k "register_split or ((slots_built or merge_in_the_kernel) and specialized_two_producers)" \
-    2>&1 | tail -4 | tee "$OUT/gpu_tests_registers.log" || status=1
+    2>&1 | tail -30 | tee "$OUT/gpu_tests_registers.log" || status=1
   for run in $(seq "${RUNS:-1}"); do
     timeout -s INT -k 15 180 "$PY" -m pallas_kernels.sparse_attention.bench --backends mgpu \
       --batches 64 128 --variants specialized_two_producers specialized_two_producers_slots \
