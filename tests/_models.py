@@ -1,4 +1,8 @@
-"""What several test files share: small model configs and a fake evaluation."""
+"""What several test files share: small model configs, a fake evaluation, and the check that
+a compiled program hands back its results only."""
+
+import jax
+from flax import nnx
 
 from experiments import _common
 from v41jax import train
@@ -47,3 +51,13 @@ def fake_evaluations(monkeypatch, sparse_accuracies: dict[int, list[float]]) -> 
         return {"accuracy": accuracy, "task_loss": 0.0}
 
     monkeypatch.setattr(evaluate, "evaluate", fake)
+
+
+def assert_hands_back_its_results_only(jitted, impl, args: tuple, kwargs: dict) -> None:
+    """`jitted` (an `nnx.jit` of `impl`, the model first in `args`), lowered: its program's
+    outputs are `impl`'s results and nothing else. With nnx.jit's default graph updates every
+    Variable of the model leaves the program too, and XLA copies each parameter at every call
+    (`nnx.jit(graph_updates=False)` hands back what the function returns)."""
+    results = jax.tree.leaves(nnx.eval_shape(lambda m, *a: impl(m, *a, **kwargs), *args))
+    outputs = jax.tree.leaves(jitted.lower(*args, **kwargs).lowered.out_info)
+    assert len(outputs) == len(results), (len(outputs), len(results))

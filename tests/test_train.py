@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests._models import FOUR_LAYER_TRAIN, fake_evaluations
+from tests._models import FOUR_LAYER_TRAIN, assert_hands_back_its_results_only, fake_evaluations
 from v41jax import train
 from v41jax.nn.model import with_fields
 from v41jax.train import evaluate
@@ -378,9 +378,7 @@ def test_the_evaluation_programs_hand_back_no_parameter(evidence_case, program):
         ratio = c.layers[c.candidate_source_layer].compress_ratio
         lens = (np.arange(b.tokens.shape[1]) + 1) // ratio  # as `pool_snapshot` passes them
         args = (model, jnp.asarray(b.tokens), jnp.asarray(lens))
-    results = nnx.eval_shape(lambda m, *a: impl(m, *a, **kwargs), *args)
-    outputs = jax.tree.leaves(fn.lower(*args, **kwargs).lowered.out_info)
-    assert len(outputs) == len(jax.tree.leaves(results))
+    assert_hands_back_its_results_only(fn, impl, args, kwargs)
 
 
 def test_a_pool_snapshot_agrees_with_the_pool_and_the_evidence_metrics(evidence_case):
