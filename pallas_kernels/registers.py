@@ -123,8 +123,23 @@ def read_ptx(paths: list[Path]) -> dict[str, str]:
     return programs
 
 
+def over_pool(row: dict) -> int | None:
+    """The CTA's `setmaxnreg` pool where `row`'s split asks for more (None where it fits or
+    ptxas refused the program): the pool is what the CTA's warpgroups started with, ptxas's
+    registers at entry times their number (65,536 a CTA shared out: three warpgroups at 168,
+    four at 128), and two of them are consumers. A split past it assembles, but its
+    consumers' `setmaxnreg.inc` waits forever at run time."""
+    if "registers" not in row:
+        return None
+    warpgroups = 65_536 // (128 * row["registers"])
+    pool = warpgroups * row["registers"]
+    asked = 2 * row["consumers"] + (warpgroups - 2) * row["producers"]
+    return pool if asked > pool else None
+
+
 def table(rows: list[dict]) -> str:
-    """One line per program and split: registers at entry, stack, spills, or the error."""
+    """One line per program and split: registers at entry, stack, spills, or the error; a
+    split past the CTA's register pool (`over_pool`) says so among the notes."""
     lines = [
         "| program | consumers / producers | registers at entry | stack | spill stores | "
         "spill loads | ptxas notes |",
@@ -132,7 +147,10 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         split = f"{r['consumers']} / {r['producers']}"
-        notes = "; ".join(r["notes"])
+        notes = r["notes"]
+        if pool := over_pool(r):
+            notes = [f"over the CTA's pool of {pool}: would hang in setmaxnreg.inc", *notes]
+        notes = "; ".join(notes)
         program = r["program"]
         if "wgmma_columns" in r:
             program += f", wgmmas split to {r['wgmma_columns']} columns"

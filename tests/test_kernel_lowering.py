@@ -361,22 +361,30 @@ def test_the_register_split_report_reads_what_ptxas_says(tmp_path, capsys):
     """`registers` on the committed PTX of the warp-specialized kernel (the
     H100's dump, 2026-12-07): at 224 / 56 registers ptxas spills the producer's code, at
     200 / 104 it does not (NOTES.md), and the four-warpgroup program is refused with ptxas's
-    own message; the rows come back as JSON and as a table."""
+    own message, and assembles with PV split into 128-column wgmmas (`--wgmma-columns`); the
+    rows come back as JSON and as a table, which flags a split past the CTA's register pool
+    (208 / 96: 512 of three warpgroups' 504, the split that hung on an H100)."""
     dump = Path(__file__).parents[1] / "experiments/results/ptx_specialized_h100_2026-12-07e.tgz"
     out = tmp_path / "rows.json"
     argv = [str(dump), "--programs", "ptx_specialized_async_keys"]
-    rows = registers.main([*argv, "--splits", "224/56", "200/104", "--out", str(out)])
+    rows = registers.main([*argv, "--splits", "224/56", "200/104", "208/96", "--out", str(out)])
     assert json.loads(out.read_text()) == rows
-    spilled, clean = rows
+    spilled, clean, _ = rows
+    assert [registers.over_pool(r) for r in rows] == [None, None, 504], rows
     assert spilled["spill_store_bytes"] > 0 and spilled["spill_load_bytes"] > 0, spilled
     assert clean["spill_store_bytes"] == clean["spill_load_bytes"] == 0, clean
     # At entry: 65,536 registers over 384 threads, rounded down to a multiple of 8.
     assert spilled["registers"] == clean["registers"] == 65_536 // 384 // 8 * 8, rows
-    row = "| ptx_specialized_async_keys | 200 / 104 | 168 | 0 B | 0 B | 0 B |"
-    assert row in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| ptx_specialized_async_keys | 200 / 104 | 168 | 0 B | 0 B | 0 B |  |" in printed
+    assert "| 208 / 96 | 168 | 0 B | 0 B | 0 B | over the CTA's pool of 504" in printed
     argv = [str(dump), "--programs", "ptx_specialized_two_producers", "--splits", "184/72"]
     (refused,) = registers.main(argv)
     assert "Insufficient registers (128)" in refused["fatal"], refused
+    (split,) = registers.main([*argv, "--wgmma-columns", "128"])
+    assert "fatal" not in split and split["registers"] == 128 and split["wgmma_columns"] == 128
+    with pytest.raises(ValueError, match=r"columns: expected a divisor of the wgmma's 256, got 96"):
+        registers.with_wgmma_columns(registers.read_ptx([dump])["ptx_specialized"], 96)
     with pytest.raises(ValueError, match=r"setmaxnreg\.inc and a setmaxnreg\.dec"):
         registers.with_split("ret;", 208, 96)
 
