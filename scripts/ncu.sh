@@ -42,6 +42,10 @@ declare -A PROFILES=(
   [attention_b128_pipelined]="attention --batch 128 --variant pipelined"
   [attention_b128_pipelined_async]="attention --batch 128 --variant pipelined_async"
   [attention_b64_pipelined]="attention --batch 64 --variant pipelined"
+  # The twenty-sixth session's two producers (by name only): their slots built in the kernel,
+  # and at batch 64 their two splits merged in it too.
+  [attention_b128_two_producers]="attention --batch 128 --variant specialized_two_producers_slots"
+  [attention_b64_two_producers]="attention --batch 64 --variant specialized_two_producers_merge"
   [pooled]="pooled"
   [scan]="scan"
 )
