@@ -42,8 +42,8 @@ declare -A PROFILES=(
   [attention_b128_pipelined]="attention --batch 128 --variant pipelined"
   [attention_b128_pipelined_async]="attention --batch 128 --variant pipelined_async"
   [attention_b64_pipelined]="attention --batch 64 --variant pipelined"
-  # The twenty-sixth session's two producers (by name only): their slots built in the kernel,
-  # and at batch 64 their two splits merged in it too.
+  # The twenty-sixth session's two producers: their slots built in the kernel, and at batch
+  # 64 their two splits merged in it too.
   [attention_b128_two_producers]="attention --batch 128 --variant specialized_two_producers_slots"
   [attention_b64_two_producers]="attention --batch 64 --variant specialized_two_producers_merge"
   [pooled]="pooled"
@@ -54,7 +54,7 @@ names=("$@")
   attention_b64_merge_unrolled attention_b64_merge_unrolled_warm
   attention_b128_no_topk_rows attention_b128_registers
   attention_b128_async_gather attention_b128_pipelined attention_b128_pipelined_async
-  attention_b64_pipelined pooled scan)
+  attention_b64_pipelined attention_b128_two_producers attention_b64_two_producers pooled scan)
 status=0
 for name in "${names[@]}"; do
   args=${PROFILES[$name]:-}
