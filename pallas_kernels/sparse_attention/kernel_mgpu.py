@@ -1217,7 +1217,8 @@ def _merge_splits(
     o_ref,
     lse_ref,
     final_ref,
-    views,
+    k_smem,
+    q_smem,
     lse_stage,
     half_barrier,
     lse_barrier,
@@ -1238,10 +1239,13 @@ def _merge_splits(
     [64, D/2] buffers only), weighted by exp2(lse − max lse) / Σ, summed in float32 and
     written to `final_ref` as bf16 (`pass_columns` of them a pass of a loop; None: all at
     once, unrolled: `TuningConfig.merge_columns`). An empty row (every lse −inf) gives
-    zeros, a NaN lse NaN: as `_combine_splits`. `views`: `splits` [64, D/2] buffers of shared
-    memory that no one reads once the cluster has met (the key tiles, q). GPU only
-    (`fp4_sparse_attention_mgpu` merges in XLA when interpreted)."""
+    zeros, a NaN lse NaN: as `_combine_splits`. The partials go through [64, D/2] buffers of
+    shared memory that no one reads once the cluster has met: this warpgroup's halves of the
+    two key tiles `k_smem` [2, 2, 64, D/2], its half of q (`q_smem` [2, 64, D/2]), then one
+    of the other warpgroup's, which does not merge. GPU only (`fp4_sparse_attention_mgpu`
+    merges in XLA when interpreted)."""
     wg = lax.axis_index("wg")
+    views = [k_smem.at[0, wg], k_smem.at[1, wg], q_smem.at[wg], k_smem.at[0, 1 - wg]][:splits]
     _publish_partials()
     plgpu.barrier_arrive(cluster_barrier)
     plgpu.barrier_wait(cluster_barrier)
@@ -1556,13 +1560,13 @@ def _specialized_kernel(
             heads=heads,
             splits=splits,
         )
-        if merge:  # no wgmma reads a tile any more: as `_pipelined_kernel`'s buffers
-            views = [k_smem.at[0, wg], k_smem.at[1, wg], q_smem.at[wg], k_smem.at[0, 1 - wg]]
+        if merge:
             _merge_splits(
                 o_ref,
                 lse_ref,
                 final_ref,
-                views[:splits],
+                k_smem,
+                q_smem,
                 *merge_scratch,
                 b=b,
                 split=split,
@@ -2037,13 +2041,13 @@ def _pipelined_kernel(
         heads=heads,
         splits=splits,
     )
-    if merge:  # this warpgroup's buffers, then one of the other's, which does not merge
-        views = [k_smem.at[0, wg], k_smem.at[1, wg], q_smem.at[wg], k_smem.at[0, 1 - wg]]
+    if merge:
         _merge_splits(
             o_ref,
             lse_ref,
             final_ref,
-            views[:splits],
+            k_smem,
+            q_smem,
             *merge_scratch,
             b=b,
             split=split,
