@@ -57,11 +57,17 @@ def custom_calls(lowered: jax.stages.Lowered) -> dict[str, int]:
     return {name: text.count(f"custom_call @{target}") for name, target in CUSTOM_CALLS.items()}
 
 
+_DUMP_NAME = re.compile(r'(mosaic_gpu\.dump_basename = )"[^"]*"')
+
+
 def mosaic_gpu_modules(lowered: jax.stages.Lowered) -> list[str]:
     """The Mosaic GPU program of each of `lowered`'s Mosaic GPU calls, as MLIR text without
-    source locations: the module its custom call carries serialized, read back. Two versions
-    of a kernel whose texts are equal lower to the same program (a refactor checked op for
-    op), and the text names the instructions a kernel will issue (its wgmma shapes)."""
+    source locations: the module its custom call carries serialized, read back, with the
+    dump name Mosaic GPU numbers per process (`kernel_0`, `kernel_1`, …) written `kernel`, so
+    that the text does not depend on what lowered before. Two versions of a kernel whose texts
+    are equal lower to the same program (a refactor checked op for op:
+    `sparse_attention.programs`), and the text names the instructions a kernel will issue
+    (its wgmma shapes)."""
     texts = []
     stablehlo = lowered.compiler_ir("stablehlo")
 
@@ -75,7 +81,8 @@ def mosaic_gpu_modules(lowered: jax.stages.Lowered) -> list[str]:
                     ).value.startswith(CUSTOM_CALLS["mosaic_gpu"]):
                         config = inner.attributes["mhlo.backend_config"]
                         module = ir.Module.parse(ir.StringAttr(config["module"]).value_bytes)
-                        texts.append(module.operation.get_asm(enable_debug_info=False))
+                        text = module.operation.get_asm(enable_debug_info=False)
+                        texts.append(_DUMP_NAME.sub(r'\1"kernel"', text))
                     walk(inner)
 
     with stablehlo.context as context:

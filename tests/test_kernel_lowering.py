@@ -430,3 +430,34 @@ def test_the_kernel_decode_step_lowers():
     tables = {f"tensor<{'x'.join(map(str, x.shape))}xui8>" for x in jax.tree.leaves(cache)}
     pads = [line for line in lowered.as_text().splitlines() if "stablehlo.pad" in line]
     assert pads and not [line for line in pads if any(f"({t}," in line for t in tables)], pads
+
+
+def test_the_attention_programs_digest_compares_versions(tmp_path, capsys):
+    """`sparse_attention.programs`: one digest per configuration and splits, the same however
+    many programs lowered before it in the process (Mosaic GPU numbers its dump names per
+    process; `mosaic_gpu_modules` writes them out), different where the program is; a
+    refused configuration recorded as its error; the comparison names what changed."""
+    from pallas_kernels.sparse_attention import programs
+
+    todo = programs.programs(["default", "specialized_two_producers"])
+    assert set(todo) == {
+        *(f"default@{n}" for n in (1, 2, 4)),
+        "default_merge_kernel@4",
+        *(f"specialized_two_producers@{n}" for n in (1, 2)),
+    }
+    fields, batch = todo["default@2"]
+    assert fields["splits"] == 2 and batch == 64
+    first = programs.digest(fields, batch)
+    programs.digest(*todo["specialized_two_producers@1"])  # something else lowers in between
+    assert programs.digest(fields, batch) == first
+    assert programs.digest(*todo["default@1"]) != first
+    refused = programs.digest({**fields, "producers": 3}, batch)
+    assert refused == "error: producers: expected 1 or 2, got 3", refused
+    with pytest.raises(ValueError, match=r"labels: expected 'default' or a bench variant"):
+        programs.programs(["fastest"])
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    before.write_text(json.dumps({"a@1": "x", "b@1": "y"}))
+    after.write_text(json.dumps({"a@1": "x", "b@1": "z", "c@1": "w"}))
+    changed = programs.main(["--compare", str(before), str(after)])
+    assert changed == ["b@1: y -> z", "c@1: absent -> w"], changed
+    assert "b@1: y -> z" in capsys.readouterr().out
