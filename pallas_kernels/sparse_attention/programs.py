@@ -14,6 +14,8 @@ split at any batch (the device has no SM count), so "unchanged at batch 64" with
 compares one-split programs (the twenty-sixth session found its own and the session before's
 checks so). The default at 1, 2 and 4 splits (its merge in the kernel at 2, in XLA at 4 and
 at 4 in the kernel when told), and each benchmark variant (`bench.MGPU_VARIANTS`) at 1 and 2.
+`experiments/results/attention_programs_40cf04b.json` holds them at 40cf04b (jax 0.11.2): a
+later change compares against it without checking that commit out.
 """
 
 from __future__ import annotations
