@@ -252,10 +252,9 @@ def test_specialized_kernel_lowers(
     loaded or staged, its consumers splitting the keys or not, its registers split as by
     default or as given (one split: the default shape of batch 128, 10 chunks per CTA), its
     slots copied in or built by its four warpgroups (`slots='kernel'`), its splits merged in
-    XLA or, one cluster, by its consumers (`merge='kernel'`: one Mosaic GPU call and no XLA op
-    after it at more than one split). PV is
-    one wgmma of D/2 columns, except with two producers: wgmmas of `PV_COLUMNS`, which four
-    warpgroups' 128 registers a thread fit (ptxas refused the one of 256 columns)."""
+    XLA or, one cluster, by its consumers (`merge='kernel'`). PV is one wgmma of D/2 columns,
+    except with two producers: wgmmas of `PV_COLUMNS`, which four warpgroups' 128 registers a
+    thread fit (ptxas refused the one of 256 columns)."""
     batch, n_kv, topk, window = 2, 4096, 512, 128
     tuning = kernel_mgpu.TuningConfig(
         kernel="specialized",

@@ -1097,6 +1097,18 @@ class _SplitKeys:
         shared = [tile, plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # the maxima, P
         return [*shared, plgpu.SMEM((2, BLOCK_HEADS), jnp.float32)] if rows else shared
 
+    @classmethod
+    def take(cls, optional: list, merge_stage=None) -> _SplitKeys:
+        """What `scratch` allocated, popped from the front of a kernel's `optional` scratch: the
+        P tile and its barriers, then the rows, or with `merge_stage` (the merge's
+        log-sum-exp stage [splits, 64], `_merge_scratch`) its first two rows. That stage is
+        written (by a bulk copy) only after the cluster barrier, which both warpgroups pass
+        after their last exchange: 512 bytes saved, what batch 64 lacked for the pipelined
+        kernel's staging and put the specialized kernel 128 bytes over."""
+        p_tile, barriers = optional.pop(0), optional.pop(0)
+        rows = optional.pop(0) if merge_stage is None else merge_stage.at[pl.ds(0, 2)]
+        return cls(p_tile, barriers, rows)
+
     @staticmethod
     def sink_share(denom, wg):
         """`_open_softmax`'s row sums as warpgroup `wg`'s share, so that the two shares add up
@@ -1402,11 +1414,7 @@ def _specialized_kernel(
     staging = optional.pop(0) if staged else None
     merge_scratch = [optional.pop(0) for _ in range(4)] if merge else None
     if split_keys:  # the P tile, its barriers (maxima, P), the row exchange
-        p_tile, key_barriers = (optional.pop(0) for _ in range(2))
-        # Merging, the rows are swapped through the merge's log-sum-exp stage, as in
-        # `_pipelined_kernel` (the 512 bytes that put this kernel 128 over at batch 64).
-        rows = merge_scratch[0].at[pl.ds(0, 2)] if merge else optional.pop(0)
-        shared = _SplitKeys(p_tile, key_barriers, rows)
+        shared = _SplitKeys.take(optional, merge_scratch[0] if merge else None)
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     # One copy of the slots, read by every warpgroup (a copy each took 5 KB more at top-512:
@@ -1915,12 +1923,7 @@ def _pipelined_kernel(
     staging = optional.pop(0).at[lax.axis_index("wg")] if gather == "async" else None
     merge_scratch = [optional.pop(0) for _ in range(4)] if merge else None
     if split_keys:  # the P tile, its barriers (maxima, P), the row exchange
-        p_tile, key_barriers = (optional.pop(0) for _ in range(2))
-        # Merging in the kernel, the rows are swapped through the merge's log-sum-exp stage:
-        # it is written (by a bulk copy) only after the cluster barrier, which both warpgroups
-        # pass after their last exchange (512 bytes: what batch 64 lacked for its staging).
-        rows = merge_scratch[0].at[pl.ds(0, 2)] if merge else optional.pop(0)
-        shared = _SplitKeys(p_tile, key_barriers, rows)
+        shared = _SplitKeys.take(optional, merge_scratch[0] if merge else None)
     p_smem = optional.pop(0) if interpret else None
     assert not optional, optional
     b, g, split = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("split")
@@ -1998,12 +2001,12 @@ def _pipelined_kernel(
         if split_keys:
             acc, m, denom = shared.softmax(s, chunk_slots(c), acc, m, denom, logit_scale, interpret)
             if interpret:  # no `run_state` there: a fresh product, added
-                acc = acc + _pv_fresh(p_tile, tile.at[wg], acc.shape)
+                acc = acc + _pv_fresh(shared.p_tile, tile.at[wg], acc.shape)
                 decode_next()
                 return acc, m, denom
 
             def pv_shared(acc_ref):  # P from the shared tile; the next decode meanwhile
-                plgpu.wgmma(acc_ref, p_tile, tile.at[wg])
+                plgpu.wgmma(acc_ref, shared.p_tile, tile.at[wg])
                 decode_next()
 
             return pl.run_state(pv_shared)(plgpu.ACC.init(acc)), m, denom

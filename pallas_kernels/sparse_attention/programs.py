@@ -28,14 +28,13 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels import lowering
 from pallas_kernels.sparse_attention import api, bench, kernel_mgpu
-from v41jax.ops import formats
 
 SHAPE = dict(heads=64, dim=512, n_kv=4096, topk=512, window=128)
-"""The benchmark's shape of one query (`bench.py`): V4.1's 64 heads, 512-dim rows, top-512."""
+"""The benchmark's shape of one query (`bench.run`'s defaults): V4.1's 64 heads, 512-dim rows,
+top-512 of 4,096 rows, a window of 128."""
 
 
 def programs(labels: list[str] | None = None) -> dict[str, tuple[dict, int]]:
@@ -63,17 +62,9 @@ def digest(fields: dict, batch: int) -> str:
     """The SHA-1 of the Mosaic GPU program(s) of a call with `TuningConfig(**fields)` at
     `batch` queries of `SHAPE`, or 'error: <first line>' where the configuration is refused
     or does not lower."""
-    heads, dim, window = SHAPE["heads"], SHAPE["dim"], SHAPE["window"]
-    args = (
-        jax.ShapeDtypeStruct((batch, heads, dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct(
-            (batch, SHAPE["n_kv"], formats.packed_row_bytes("nvfp4", dim)), jnp.uint8
-        ),
-        jax.ShapeDtypeStruct((batch, SHAPE["topk"]), jnp.int32),
-        jax.ShapeDtypeStruct((batch, window, formats.packed_row_bytes("fp8", dim)), jnp.uint8),
-        jax.ShapeDtypeStruct((batch, window), jnp.bool_),
-        jax.ShapeDtypeStruct((heads,), jnp.float32),
-    )
+    # The benchmark's inputs, abstract: their shapes and dtypes, nothing computed.
+    inputs = functools.partial(bench.random_inputs, batch=batch, **SHAPE)
+    args = jax.eval_shape(inputs, jax.random.key(0))
     try:
         config = api.Config(mgpu=kernel_mgpu.TuningConfig(**fields))
         attend = functools.partial(api.fp4_sparse_attention, implementation="pallas", config=config)
